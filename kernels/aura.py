@@ -1,0 +1,287 @@
+"""AURA: Adaptive Unified Rotated Activations, a per-vector KV-cache code.
+
+TurboQuant-MSE without the QJL residual. Each token vector `x` (length `d`) is rotated,
+`y = Pi x` (`RandomizedHadamard`), normalised to `u = sqrt(d) * y / ||x||` (coordinates
+close to N(0, 1)), and every coordinate is replaced by the index of its nearest
+Lloyd-Max centroid `c`. One scale per vector, `s = ||x|| / ||c[idx]||`, is stored so the
+reconstruction `y_hat = s * c[idx]` (rotated domain) has exactly the norm of `x` (up to the
+float16 rounding of `s`, relative error <= 2**-11).
+
+Stored format per vector: `d * bits` code bits in `d * bits / 32` uint32 words (no padding;
+requires `d * bits % 32 == 0`, true for every power-of-two `d >= 32`), plus one float16
+scale. The bit layout is the little-endian bit stream of `mx.quantize`: index `i` occupies
+stream bits `[i*bits, (i+1)*bits)`, stream bit `k` is bit `k % 32` of word `k // 32`.
+
+Source: CACHES.md "AURA encode / decode" and "Bytes per token"; TurboQuant
+(arXiv 2504.19874) Algorithm 1; PolarQuant (arXiv 2502.02617).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from kernels.lloyd_max import MAX_BITS, MIN_BITS, lloyd_max_codebook, lloyd_max_thresholds
+from kernels.rotation import RandomizedHadamard
+
+SCALE_DTYPE = mx.float16
+SCHEME_MIN_BITS = 2
+_WORD_BITS = 32
+_SCHEME = re.compile(r"aura(\d+)v(\d+)")
+
+
+class AuraCodes(NamedTuple):
+    """AURA codes of `x` with shape `[B, H, L, d]`; the token axis is 2 in every field.
+
+    Attributes:
+        packed: uint32 `[B, H, L, d * bits / 32]`, codebook indices as a bit stream.
+        scales: float16 `[B, H, L, 1]`, `||x|| / ||c[idx]||` per vector.
+    """
+
+    packed: mx.array
+    scales: mx.array
+
+
+def _validate(bits: int, head_dim: int) -> None:
+    if not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
+        raise ValueError(f"AURA bits must be an int in {MIN_BITS}..{MAX_BITS}, got {bits!r}")
+    if head_dim * bits % _WORD_BITS:
+        raise ValueError(f"head_dim * bits must be a multiple of 32, got {head_dim} * {bits}")
+
+
+@functools.lru_cache(maxsize=None)
+def aura_codebook(bits: int) -> mx.array:
+    """`lloyd_max_codebook(bits)` as a float32 `mx.array` `[2**bits]` (cached)."""
+    return mx.array(lloyd_max_codebook(bits), dtype=mx.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _thresholds(bits: int) -> mx.array:
+    return mx.array(lloyd_max_thresholds(bits), dtype=mx.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _pack_plan(count: int, bits: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Static gather plan: which values land in each word, and with which shifts.
+
+    Value `i` starts at bit `rel = i*bits - 32*j` of word `j` (negative when it began in
+    word `j - 1`); its contribution is `(v << max(rel, 0)) >> max(-rel, 0)`, truncated to
+    32 bits. Rows are padded to the widest word with a zero mask.
+
+    Returns:
+        `(index, left, right, mask)`, each uint32 `[words, per_word]`.
+    """
+    words = count * bits // _WORD_BITS
+    first = np.arange(words) * _WORD_BITS // bits
+    last = (np.arange(words) * _WORD_BITS + _WORD_BITS - 1) // bits
+    per_word = int(np.max(last - first)) + 1
+    index = first[:, None] + np.arange(per_word)[None, :]
+    mask = index <= last[:, None]
+    index = np.where(mask, index, 0)
+    rel = index * bits - np.arange(words)[:, None] * _WORD_BITS
+    plan = (index, np.maximum(rel, 0), np.maximum(-rel, 0), mask)
+    return tuple(mx.array(a.astype(np.uint32)) for a in plan)
+
+
+@functools.lru_cache(maxsize=None)
+def _unpack_plan(count: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Static plan: value `i` is in word `w` from bit `o`, spilling into word `w + 1`.
+
+    Returns:
+        `(word, next_word, offset)`, each uint32 `[count]`; `next_word` is clamped to the
+        last word (its bits are masked off when the value does not spill).
+    """
+    start = np.arange(count) * bits
+    word = start // _WORD_BITS
+    next_word = np.minimum(word + 1, count * bits // _WORD_BITS - 1)
+    plan = (word, next_word, start % _WORD_BITS)
+    return tuple(mx.array(a.astype(np.uint32)) for a in plan)
+
+
+def pack_bits(values: mx.array, bits: int) -> mx.array:
+    """Pack `bits`-bit unsigned values into uint32 words along the last axis.
+
+    Args:
+        values: Integer array `[..., n]` with values in `[0, 2**bits)`; `n * bits` must be
+            a multiple of 32.
+        bits: Width 1..32 of each value.
+
+    Returns:
+        uint32 `[..., n * bits / 32]` in the `mx.quantize` bit-stream layout.
+
+    Raises:
+        ValueError: If `n * bits` is not a multiple of 32.
+    """
+    count = values.shape[-1]
+    if count * bits % _WORD_BITS:
+        raise ValueError(f"n * bits must be a multiple of 32, got {count} * {bits}")
+    index, left, right, mask = _pack_plan(count, bits)
+    gathered = mx.take(values.astype(mx.uint32), index.reshape(-1), axis=-1)
+    gathered = gathered.reshape(*values.shape[:-1], *index.shape)
+    return (((gathered << left) >> right) * mask).sum(axis=-1)
+
+
+def unpack_bits(packed: mx.array, bits: int) -> mx.array:
+    """Inverse of `pack_bits`.
+
+    Args:
+        packed: uint32 `[..., words]`.
+        bits: Width 1..32 of each value.
+
+    Returns:
+        uint32 `[..., words * 32 / bits]` of values in `[0, 2**bits)`.
+    """
+    count = packed.shape[-1] * _WORD_BITS // bits
+    word, next_word, offset = _unpack_plan(count, bits)
+    low = mx.take(packed, word, axis=-1) >> offset
+    high = (mx.take(packed, next_word, axis=-1) << (31 - offset)) << 1  # << (32 - offset)
+    return (low | high) & ((1 << bits) - 1)
+
+
+def _nearest_centroid(u: mx.array, bits: int) -> mx.array:
+    """Index of the Lloyd-Max cell of each element: `count(thresholds < u)`.
+
+    Branch-free binary search over the sorted thresholds: `bits` gather/compare steps
+    instead of a `2**bits - 1` wide comparison.
+
+    Args:
+        u: float32 array of normalised coordinates.
+        bits: Code width.
+
+    Returns:
+        uint32 array shaped like `u`, values in `[0, 2**bits)`.
+    """
+    thresholds = _thresholds(bits)
+    index = mx.zeros(u.shape, dtype=mx.uint32)
+    for level in reversed(range(bits)):
+        candidate = index + (1 << level)
+        index = mx.where(u > mx.take(thresholds, candidate - 1), candidate, index)
+    return index
+
+
+def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> AuraCodes:
+    """Encode every vector along the last axis independently.
+
+    Computed in float32: `u = sqrt(d) * rotation.forward(x) / ||x||`, `idx` = nearest
+    centroid of `lloyd_max_codebook(bits)`, `scale = ||x|| / ||c[idx]||`. A zero vector
+    gets scale 0 (and decodes to zeros).
+
+    Args:
+        x: `[B, H, L, d]` (any leading shape) float16, bfloat16 or float32 array.
+        bits: Code width, 1..8.
+        rotation: The layer's rotation; `rotation.head_dim == d`.
+
+    Returns:
+        `AuraCodes` with packed uint32 `[B, H, L, d * bits / 32]` and float16 scales
+        `[B, H, L, 1]`.
+
+    Raises:
+        ValueError: If `bits` is outside 1..8, `d * bits % 32 != 0`, or `d` differs from
+            `rotation.head_dim`.
+
+    Source: CACHES.md "AURA encode / decode"; TurboQuant (arXiv 2504.19874) Algorithm 1.
+    """
+    head_dim = x.shape[-1]
+    _validate(bits, head_dim)
+    x = x.astype(mx.float32)
+    norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
+    inverse_norm = mx.where(norm > 0, math.sqrt(head_dim) / norm, 0.0)
+    index = _nearest_centroid(rotation.forward(x) * inverse_norm, bits)
+    centroids = mx.take(aura_codebook(bits), index)
+    scale = norm / mx.sqrt(mx.sum(centroids * centroids, axis=-1, keepdims=True))
+    return AuraCodes(pack_bits(index, bits), scale.astype(SCALE_DTYPE))
+
+
+def aura_decode_rotated(codes: AuraCodes, *, bits: int, dtype: mx.Dtype) -> mx.array:
+    """Reconstruct in the rotated domain: `y_hat = scale * c[idx]`, `||y_hat|| = ||x||`.
+
+    This is what compressed-domain attention uses: `q . x_hat = (Pi q) . y_hat`.
+
+    Args:
+        codes: `AuraCodes` from `aura_encode`.
+        bits: The width the codes were made with.
+        dtype: Output dtype (the product is formed in float32).
+
+    Returns:
+        `[B, H, L, d]` array of `dtype`.
+
+    Raises:
+        ValueError: If `bits` is outside 1..8 or does not match the packed width.
+
+    Source: CACHES.md "AURA encode / decode".
+    """
+    _validate(bits, codes.packed.shape[-1] * _WORD_BITS // bits)
+    centroids = mx.take(aura_codebook(bits), unpack_bits(codes.packed, bits))
+    return (centroids * codes.scales.astype(mx.float32)).astype(dtype)
+
+
+def aura_decode(
+    codes: AuraCodes, *, bits: int, rotation: RandomizedHadamard, dtype: mx.Dtype
+) -> mx.array:
+    """Reconstruct `x_hat = rotation.inverse(y_hat)` (computed in float32).
+
+    Args:
+        codes: `AuraCodes` from `aura_encode`.
+        bits: The width the codes were made with.
+        rotation: The rotation they were made with.
+        dtype: Output dtype.
+
+    Returns:
+        `[B, H, L, d]` array of `dtype`.
+
+    Raises:
+        ValueError: As `aura_decode_rotated`, or if `d` differs from `rotation.head_dim`.
+
+    Source: CACHES.md "AURA encode / decode".
+    """
+    rotated = aura_decode_rotated(codes, bits=bits, dtype=mx.float32)
+    return rotation.inverse(rotated).astype(dtype)
+
+
+def aura_bits_per_element(
+    key_bits: int, value_bits: int, head_dim: int, scale_bits: int = 16
+) -> float:
+    """Stored bits per cached element for `aura{K}v{V}`, averaged over K and V.
+
+    Args:
+        key_bits: Code width of keys.
+        value_bits: Code width of values.
+        head_dim: `d`; each vector carries one scale of `scale_bits`.
+        scale_bits: Width of the per-vector scale (16: float16).
+
+    Returns:
+        `(K + scale_bits/d + V + scale_bits/d) / 2`, e.g. 4.25 for aura4v4 at d=64.
+
+    Source: CACHES.md "Bytes per token".
+    """
+    overhead = scale_bits / head_dim
+    return (key_bits + overhead + value_bits + overhead) / 2
+
+
+def parse_aura_scheme(name: str) -> tuple[int, int]:
+    """Parse `"aura{K}v{V}"` into `(K, V)` code widths.
+
+    Args:
+        name: Scheme name such as `"aura5v3"`; K and V must be in 2..8.
+
+    Returns:
+        `(key_bits, value_bits)`.
+
+    Raises:
+        ValueError: If `name` does not match or a width is outside 2..8.
+    """
+    match = _SCHEME.fullmatch(name) if isinstance(name, str) else None
+    if match is None:
+        raise ValueError(f"AURA scheme must look like 'aura4v2', got {name!r}")
+    key_bits, value_bits = int(match[1]), int(match[2])
+    for bits in (key_bits, value_bits):
+        if not SCHEME_MIN_BITS <= bits <= MAX_BITS:
+            raise ValueError(
+                f"AURA scheme widths must be in {SCHEME_MIN_BITS}..{MAX_BITS}, got {name!r}"
+            )
+    return key_bits, value_bits

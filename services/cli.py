@@ -1,0 +1,48 @@
+"""`buttermilk` command line: one subcommand per job, each module imported only when used."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from shared.blas import reexec_with_openblas
+from shared.errors import ButtermilkError
+
+# subcommand → module in services.commands exposing `add_arguments(parser)` and `run(args) -> int`
+COMMANDS = {
+    "generate": "generate",
+    "inspect": "inspect",
+    "convert-gguf": "convert",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="buttermilk", description="Local LLM serving on MLX, built around its KV caches.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module in COMMANDS.items():
+        mod = importlib.import_module(f"services.commands.{module}")
+        mod.add_arguments(sub.add_parser(name, help=mod.__doc__.splitlines()[0], description=mod.__doc__))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point. Exit codes: 0 ok, 1 internal error, 2 user error (message on stderr)."""
+    if argv is None:
+        reexec_with_openblas("services.cli")
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(f"services.commands.{COMMANDS[args.command]}")
+    try:
+        return module.run(args)
+    except ButtermilkError as exc:
+        print(f"buttermilk: error: {exc.message}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # invalid option values rejected by our constructors
+        print(f"buttermilk: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

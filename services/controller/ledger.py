@@ -1,0 +1,488 @@
+"""The controller's token-capacity ledger: engines, leases, reservations and held sessions.
+
+Pure bookkeeping: no I/O, no threads, no clocks. Every time-dependent method takes `now`
+(monotonic seconds). Capacity is counted in KV tokens per engine; bytes are derived from the
+engine's `bytes_per_token`.
+
+Accounting, per engine (checked by `check_invariants`):
+    reserved_tokens = sum of `liability_tokens` of its live reservations
+    held_tokens     = sum of `tokens_held` of its sessions
+    free_tokens     = max(0, capacity_tokens - reserved_tokens - held_tokens)
+
+A reservation's liability is `max(tokens_reserved, tokens_observed)`: it holds the prompt plus
+the capped `max_tokens` until released, and grows only if the engine reports more KV than that.
+A session turn reserves only its new tokens; the KV kept from earlier turns stays counted as
+the session's `tokens_held`, and `release(..., keep_session_tokens=n)` replaces that hold with
+the engine's own count `n` of KV tokens it keeps for the session.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field, replace
+
+from shared.errors import BadRequest, LeaseExpired, Overloaded
+
+DEFAULT_SESSION_IDLE_TTL_S = 300.0
+DEFAULT_RETRY_AFTER_MS = 250
+
+
+@dataclass(slots=True)
+class _Engine:
+    engine_id: str
+    epoch: int  # the live epoch; older epochs have no state here
+    capacity_tokens: int
+    bytes_per_token: int
+    reserved_tokens: int = 0  # sum of reservation liabilities
+    held_tokens: int = 0  # sum of session holds
+
+    @property
+    def free_tokens(self) -> int:
+        return max(0, self.capacity_tokens - self.reserved_tokens - self.held_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: str
+    ttl_s: float  # renewal extends expiry to now + ttl_s, seconds
+    expires_at: float  # monotonic seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    resv_id: str
+    lease_id: str | None
+    session_id: str | None
+    request_id: str
+    engine_id: str
+    epoch: int
+    tokens_reserved: int  # prompt (new tokens only for a session turn) + capped max_tokens
+    tokens_observed: int = 0  # KV tokens the engine reports this request has added
+
+    @property
+    def liability_tokens(self) -> int:
+        return max(self.tokens_reserved, self.tokens_observed)
+
+
+@dataclass(frozen=True, slots=True)
+class HeldSession:
+    session_id: str
+    engine_id: str
+    epoch: int
+    lease_id: str | None  # the session ends with its lease; None: only idle expiry or close
+    tokens_held: int  # KV tokens kept on the engine between turns
+    idle_expires_at: float  # monotonic seconds; ignored while a turn is in flight
+    resv_id: str | None = None  # the turn in flight, if any
+
+
+@dataclass(slots=True)
+class EngineRelease:
+    epoch: int
+    resv_ids: list[str] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)  # abort these on the engine
+    session_ids: list[str] = field(default_factory=list)  # drop these sessions' KV
+
+
+@dataclass(slots=True)
+class Released:
+    """What a verb freed, per engine, so the service can tell engines and the gateway."""
+
+    engines: dict[str, EngineRelease] = field(default_factory=dict)
+    lease_ids: list[str] = field(default_factory=list)  # leases that ended
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [rid for part in self.engines.values() for rid in part.request_ids]
+
+    @property
+    def session_ids(self) -> list[str]:
+        return [sid for part in self.engines.values() for sid in part.session_ids]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.engines and not self.lease_ids
+
+    def _part(self, engine_id: str, epoch: int) -> EngineRelease:
+        return self.engines.setdefault(engine_id, EngineRelease(epoch=epoch))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineUsage:
+    engine_id: str
+    epoch: int
+    capacity_tokens: int
+    reserved_tokens: int
+    held_tokens: int
+    free_tokens: int
+    bytes_per_token: int
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerStats:
+    engines: list[EngineUsage]
+    num_reservations: int
+    num_leases: int
+    num_sessions: int
+
+
+class Ledger:
+    """Owns engine capacity, leases, reservations and held sessions; see the module docstring.
+
+    Args:
+        session_idle_ttl_s (float): a session with no turn in flight is dropped this many
+            seconds after its last turn. Default: DEFAULT_SESSION_IDLE_TTL_S.
+        retry_after_ms (int): hint sent with `Overloaded`; the ledger cannot know when
+            capacity frees, so this is a fixed, configured value. Default: 250 ms.
+    """
+
+    def __init__(
+        self,
+        *,
+        session_idle_ttl_s: float = DEFAULT_SESSION_IDLE_TTL_S,
+        retry_after_ms: int = DEFAULT_RETRY_AFTER_MS,
+    ):
+        if not session_idle_ttl_s > 0 or retry_after_ms < 0:
+            raise ValueError("session_idle_ttl_s must be > 0 and retry_after_ms >= 0")
+        self._session_idle_ttl_s = session_idle_ttl_s
+        self._retry_after_ms = retry_after_ms
+        self._engines: dict[str, _Engine] = {}
+        self._dead_epochs: dict[str, int] = {}  # engine_id -> highest epoch declared dead
+        self._leases: dict[str, Lease] = {}
+        self._reservations: dict[str, Reservation] = {}
+        self._sessions: dict[str, HeldSession] = {}
+        self._next_resv = 0
+
+    # ---- engines ------------------------------------------------------------------------
+
+    def register_engine(
+        self, engine_id: str, epoch: int, capacity_tokens: int, bytes_per_token: int
+    ) -> Released:
+        """Add an engine, or replace an older epoch of it (dropping and returning all its state).
+
+        A repeated HELLO of the live epoch only updates the geometry.
+
+        Raises:
+            BadRequest: non-positive capacity, negative bytes, or an epoch not newer than one
+                already declared dead or live.
+        """
+        if capacity_tokens < 1 or bytes_per_token < 0 or epoch < 0:
+            raise BadRequest("engine geometry needs capacity_tokens >= 1, bytes_per_token >= 0")
+        live = self._engines.get(engine_id)
+        dead = self._dead_epochs.get(engine_id)
+        if (dead is not None and epoch <= dead) or (live is not None and epoch < live.epoch):
+            raise BadRequest(f"engine {engine_id} epoch {epoch} is stale")
+        if live and live.epoch == epoch:
+            live.capacity_tokens, live.bytes_per_token = capacity_tokens, bytes_per_token
+            return Released()
+        released = self.engine_dead(engine_id, live.epoch) if live else Released()
+        self._engines[engine_id] = _Engine(engine_id, epoch, capacity_tokens, bytes_per_token)
+        return released
+
+    def engine_dead(self, engine_id: str, epoch: int) -> Released:
+        """Drop every reservation and session of that engine's live epoch if it is <= `epoch`.
+
+        A report about an epoch older than the live one changes nothing (a late message); any
+        epoch <= `epoch` can never register again.
+        """
+        self._dead_epochs[engine_id] = max(epoch, self._dead_epochs.get(engine_id, epoch))
+        live = self._engines.get(engine_id)
+        released = Released()
+        if live is None or live.epoch > epoch:
+            return released
+        for resv in [r for r in self._reservations.values() if r.engine_id == engine_id]:
+            self._drop_reservation(resv, released)
+        for sess in [s for s in self._sessions.values() if s.engine_id == engine_id]:
+            self._drop_session(sess, released)
+        del self._engines[engine_id]
+        return released
+
+    # ---- leases -------------------------------------------------------------------------
+
+    def open_lease(self, ttl_s: float, now: float) -> Lease:
+        """Open a lease that expires `ttl_s` seconds after `now` unless renewed."""
+        if not 0 < ttl_s < float("inf"):
+            raise BadRequest(f"ttl_s must be a positive number of seconds, got {ttl_s}")
+        lease_id = f"lease-{secrets.token_hex(8)}"
+        self._leases[lease_id] = Lease(lease_id, ttl_s, now + ttl_s)
+        return self._leases[lease_id]
+
+    def renew(self, lease_id: str, now: float) -> Lease:
+        """Extend a live lease to `now + ttl_s`.
+
+        Raises:
+            LeaseExpired: the lease is unknown, closed, or already past its expiry.
+        """
+        lease = self._live_lease(lease_id, now)
+        self._leases[lease_id] = replace(lease, expires_at=now + lease.ttl_s)
+        return self._leases[lease_id]
+
+    def close_lease(self, lease_id: str) -> Released:
+        """End a lease with all its reservations and sessions; unknown ids release nothing."""
+        released = Released()
+        if lease_id in self._leases:
+            self._end_lease(lease_id, released)
+        return released
+
+    def expire(self, now: float) -> Released:
+        """End leases past expiry (with their items) and idle sessions past their TTL."""
+        released = Released()
+        for lease in [x for x in self._leases.values() if x.expires_at <= now]:
+            self._end_lease(lease.lease_id, released)
+        for sess in list(self._sessions.values()):
+            if sess.resv_id is None and sess.idle_expires_at <= now:
+                self._drop_session(sess, released)
+        return released
+
+    # ---- reservations -------------------------------------------------------------------
+
+    def can_reserve(
+        self, tokens: int, *, engine_id: str | None = None, session_id: str | None = None
+    ) -> bool:
+        """Whether `reserve` would succeed now for that size (leases are not checked)."""
+        session = self._sessions.get(session_id) if session_id else None
+        if tokens < 1 or (session and session.resv_id):
+            return False
+        return self._choose(tokens, engine_id, session) is not None
+
+    def reserve(
+        self,
+        request_id: str,
+        tokens: int,
+        *,
+        now: float,
+        lease_id: str | None = None,
+        session_id: str | None = None,
+        engine_id: str | None = None,
+    ) -> Reservation:
+        """Hold `tokens` of KV capacity on the live engine with the most free tokens.
+
+        Args:
+            request_id (str): the gateway's request id, returned in `Released.request_ids`.
+            tokens (int): prompt tokens (a session turn: only its new tokens) + capped max_tokens.
+            now (float): monotonic seconds.
+            lease_id (str | None): the client's lease; the reservation ends with it.
+            session_id (str | None): a known session pins the engine; an unknown one is created.
+            engine_id (str | None): preferred engine, used when the request fits there.
+
+        Returns:
+            Reservation: the new reservation (frozen; the ledger keeps its own reference).
+
+        Raises:
+            LeaseExpired: `lease_id` is unknown or expired.
+            BadRequest: tokens < 1, the session has a turn in flight or another lease, or the
+                request can never fit any candidate engine's capacity.
+            Overloaded: no live engine, or it does not fit now (`retry_after_ms` set).
+        """
+        if tokens < 1:
+            raise BadRequest(f"a reservation needs at least 1 token, got {tokens}")
+        if lease_id is not None:
+            self._live_lease(lease_id, now)
+        session = self._usable_session(session_id, lease_id)
+        self._check_can_ever_fit(tokens, session)
+        engine = self._choose(tokens, engine_id, session)
+        if engine is None:
+            raise Overloaded(f"no engine has {tokens} free tokens now", self._retry_after_ms)
+        self._next_resv += 1
+        resv = Reservation(
+            resv_id=f"resv-{self._next_resv}",
+            lease_id=lease_id,
+            session_id=session_id,
+            request_id=request_id,
+            engine_id=engine.engine_id,
+            epoch=engine.epoch,
+            tokens_reserved=tokens,
+        )
+        self._reservations[resv.resv_id] = resv
+        engine.reserved_tokens += tokens
+        if session_id is not None:
+            self._start_turn(session, session_id, resv, now)
+        return resv
+
+    def reconcile(self, resv_id: str, tokens_observed: int) -> Reservation | None:
+        """Record the engine's latest count of KV tokens the request added; None if released."""
+        if tokens_observed < 0:
+            raise BadRequest(f"tokens_observed must be >= 0, got {tokens_observed}")
+        old = self._reservations.get(resv_id)
+        if old is None:
+            return None
+        new = replace(old, tokens_observed=tokens_observed)
+        self._reservations[resv_id] = new
+        self._engines[old.engine_id].reserved_tokens += new.liability_tokens - old.liability_tokens
+        return new
+
+    def release(
+        self, resv_id: str, *, now: float, keep_session_tokens: int | None = None
+    ) -> Reservation | None:
+        """Free a finished request's reservation; idempotent (None if already released).
+
+        Args:
+            resv_id (str): the reservation.
+            now (float): monotonic seconds; restarts the session's idle timer.
+            keep_session_tokens (int | None): the engine's count of KV tokens it keeps for the
+                reservation's session after this turn; it replaces the session's hold. None:
+                nothing is kept and the session, if any, ends.
+        """
+        if keep_session_tokens is not None and keep_session_tokens < 0:
+            raise BadRequest(f"keep_session_tokens must be >= 0, got {keep_session_tokens}")
+        resv = self._reservations.pop(resv_id, None)
+        if resv is None:
+            return None
+        self._engines[resv.engine_id].reserved_tokens -= resv.liability_tokens
+        session = self._sessions.get(resv.session_id) if resv.session_id else None
+        if session is not None and session.resv_id == resv_id:
+            if keep_session_tokens is None:
+                self._drop_session(session, Released())
+            else:
+                self._end_turn(session, keep_session_tokens, now)
+        return resv
+
+    # ---- sessions -----------------------------------------------------------------------
+
+    def close_session(self, session_id: str) -> Released:
+        """End a session: free its hold and abort its turn in flight, if any."""
+        released = Released()
+        session = self._sessions.get(session_id)
+        if session is not None:
+            if session.resv_id is not None:
+                self._drop_reservation(self._reservations[session.resv_id], released)
+            self._drop_session(self._sessions[session_id], released)
+        return released
+
+    # ---- queries ------------------------------------------------------------------------
+
+    def reservation(self, resv_id: str) -> Reservation | None:
+        return self._reservations.get(resv_id)
+
+    def session(self, session_id: str) -> HeldSession | None:
+        return self._sessions.get(session_id)
+
+    def lease(self, lease_id: str) -> Lease | None:
+        return self._leases.get(lease_id)
+
+    def stats(self) -> LedgerStats:
+        """Per-engine token usage and counts of live items (a snapshot)."""
+        engines = [_usage(e) for e in sorted(self._engines.values(), key=lambda e: e.engine_id)]
+        return LedgerStats(engines, len(self._reservations), len(self._leases), len(self._sessions))
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any counter disagrees with the items (for tests and debug)."""
+        for engine in self._engines.values():
+            mine = engine.engine_id
+            reserved = sum(
+                r.liability_tokens for r in self._reservations.values() if r.engine_id == mine
+            )
+            held = sum(s.tokens_held for s in self._sessions.values() if s.engine_id == mine)
+            if (reserved, held) != (engine.reserved_tokens, engine.held_tokens):
+                raise AssertionError(f"{engine.engine_id}: counters {engine} != {reserved}, {held}")
+        for item in [*self._reservations.values(), *self._sessions.values()]:
+            live = self._engines.get(item.engine_id)
+            if live is None or live.epoch != item.epoch:
+                raise AssertionError(f"{item} outlived its engine epoch")
+            if item.lease_id is not None and item.lease_id not in self._leases:
+                raise AssertionError(f"{item} outlived its lease")
+        for sess in self._sessions.values():
+            turn = self._reservations.get(sess.resv_id) if sess.resv_id else None
+            if sess.resv_id is not None and (turn is None or turn.session_id != sess.session_id):
+                raise AssertionError(f"{sess} points at a missing turn")
+
+    # ---- private ------------------------------------------------------------------------
+
+    def _live_lease(self, lease_id: str, now: float) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.expires_at <= now:
+            raise LeaseExpired(f"lease {lease_id} is unknown or expired")
+        return lease
+
+    def _usable_session(self, session_id: str | None, lease_id: str | None) -> HeldSession | None:
+        session = self._sessions.get(session_id) if session_id else None
+        if session is not None and session.resv_id is not None:
+            raise BadRequest(f"session {session_id} already has a request in flight")
+        if session is not None and session.lease_id != lease_id:
+            raise BadRequest(f"session {session_id} belongs to another lease")
+        return session
+
+    def _check_can_ever_fit(self, tokens: int, session: HeldSession | None) -> None:
+        if session is not None:
+            engine = self._engines[session.engine_id]
+            if session.tokens_held + tokens > engine.capacity_tokens:
+                raise BadRequest(
+                    f"session {session.session_id} would need {session.tokens_held + tokens} "
+                    f"tokens but engine {engine.engine_id} holds {engine.capacity_tokens}"
+                )
+            return
+        if not self._engines:
+            raise Overloaded("no live engine", self._retry_after_ms)
+        largest = max(e.capacity_tokens for e in self._engines.values())
+        if tokens > largest:
+            raise BadRequest(
+                f"request needs {tokens} tokens but the largest engine holds {largest}"
+            )
+
+    def _choose(
+        self, tokens: int, engine_id: str | None, session: HeldSession | None
+    ) -> _Engine | None:
+        if session is not None:
+            candidates = [self._engines[session.engine_id]]
+        else:
+            candidates = list(self._engines.values())
+        fitting = [e for e in candidates if e.free_tokens >= tokens]
+        preferred = [e for e in fitting if e.engine_id == engine_id]
+        if preferred or not fitting:
+            return preferred[0] if preferred else None
+        return min(fitting, key=lambda e: (-e.free_tokens, e.engine_id))
+
+    def _start_turn(
+        self, session: HeldSession | None, session_id: str, resv: Reservation, now: float
+    ) -> None:
+        if session is None:
+            session = HeldSession(
+                session_id=session_id,
+                engine_id=resv.engine_id,
+                epoch=resv.epoch,
+                lease_id=resv.lease_id,
+                tokens_held=0,
+                idle_expires_at=now + self._session_idle_ttl_s,
+            )
+        self._sessions[session_id] = replace(session, resv_id=resv.resv_id)
+
+    def _end_turn(self, session: HeldSession, tokens_held: int, now: float) -> None:
+        self._engines[session.engine_id].held_tokens += tokens_held - session.tokens_held
+        idle_expires_at = now + self._session_idle_ttl_s
+        self._sessions[session.session_id] = replace(
+            session, tokens_held=tokens_held, resv_id=None, idle_expires_at=idle_expires_at
+        )
+
+    def _end_lease(self, lease_id: str, released: Released) -> None:
+        for resv in [r for r in self._reservations.values() if r.lease_id == lease_id]:
+            self._drop_reservation(resv, released)
+        for sess in [s for s in self._sessions.values() if s.lease_id == lease_id]:
+            self._drop_session(sess, released)
+        del self._leases[lease_id]
+        released.lease_ids.append(lease_id)
+
+    def _drop_reservation(self, resv: Reservation, released: Released) -> None:
+        del self._reservations[resv.resv_id]
+        self._engines[resv.engine_id].reserved_tokens -= resv.liability_tokens
+        part = released._part(resv.engine_id, resv.epoch)
+        part.resv_ids.append(resv.resv_id)
+        part.request_ids.append(resv.request_id)
+        session = self._sessions.get(resv.session_id) if resv.session_id else None
+        if session is not None and session.resv_id == resv.resv_id:
+            self._sessions[session.session_id] = replace(session, resv_id=None)
+
+    def _drop_session(self, session: HeldSession, released: Released) -> None:
+        del self._sessions[session.session_id]
+        self._engines[session.engine_id].held_tokens -= session.tokens_held
+        released._part(session.engine_id, session.epoch).session_ids.append(session.session_id)
+
+
+def _usage(engine: _Engine) -> EngineUsage:
+    return EngineUsage(
+        engine_id=engine.engine_id,
+        epoch=engine.epoch,
+        capacity_tokens=engine.capacity_tokens,
+        reserved_tokens=engine.reserved_tokens,
+        held_tokens=engine.held_tokens,
+        free_tokens=engine.free_tokens,
+        bytes_per_token=engine.bytes_per_token,
+    )

@@ -1,0 +1,69 @@
+"""`make_layer_caches`: translate `model.make_cache()` into our cache classes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import cache as mlx_cache
+
+from .kv import KVCache
+from .recurrent import RecurrentStateCache
+from .schemes import make_codecs
+from .window import Window
+
+
+@dataclass(frozen=True, slots=True)
+class CacheOptions:
+    """Request-independent cache settings of one model instance.
+
+    Attributes:
+        scheme (str): `raw`, `affine8`, `affine4` or `aura{K}v{V}`.
+        max_context (int): Context cap per sequence (tokens).
+        window (Window | None): User sliding window with sinks, composed with architectural ones.
+        raw_layers (frozenset[int]): Layers kept raw whatever the scheme.
+    """
+
+    scheme: str = "raw"
+    max_context: int = 8192
+    window: Window | None = None
+    raw_layers: frozenset[int] = field(default_factory=frozenset)
+
+
+def model_dtype(model: nn.Module) -> mx.Dtype:
+    """The floating dtype of the model's weights (activations and raw K/V use it)."""
+    for _, p in nn.utils.tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            return p.dtype
+    return mx.float32
+
+
+def make_layer_caches(model: nn.Module, options: CacheOptions) -> list:
+    """Build one cache per layer, keeping each layer's architectural kind.
+
+    Full-attention layers get a `KVCache` in the chosen scheme; architectural sliding
+    layers (`RotatingKVCache` in mlx-lm) get a windowed `KVCache` whose window composes
+    with the user's (the smaller wins); recurrent layers (`ArraysCache`) get a
+    `RecurrentStateCache`.
+
+    Raises:
+        ValueError: an unknown scheme, or a cache kind we do not translate.
+    """
+    template = model.make_cache() if hasattr(model, "make_cache") else [mlx_cache.KVCache() for _ in model.layers]
+    dtype = model_dtype(model)
+    caches = []
+    for layer, proto in enumerate(template):
+        if isinstance(proto, mlx_cache.ArraysCache):
+            caches.append(RecurrentStateCache(len(proto.cache)))
+            continue
+        if isinstance(proto, mlx_cache.RotatingKVCache):
+            window = Window(proto.max_size, proto.keep).compose(options.window)
+        elif isinstance(proto, mlx_cache.KVCache):
+            window = options.window
+        else:
+            raise ValueError(f"layer {layer}: cache kind {type(proto).__name__} is not supported")
+        scheme = "raw" if layer in options.raw_layers else options.scheme
+        key_codec, value_codec = make_codecs(scheme, layer=layer, dtype=dtype)
+        caches.append(KVCache(key_codec, value_codec, max_tokens=options.max_context, window=window))
+    return caches

@@ -1,0 +1,136 @@
+"""Single-sequence generation in process: chunked prefill, pipelined decode, streaming text."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from shared.errors import ContextOverflow
+
+from .sampling import RequestSampler, SamplingParams
+from .stops import StopMatcher
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    """Counters of one generation (tokens, seconds, bytes)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0  # prompt submitted → first token sampled
+    decode_s: float = 0.0  # first token → last token
+    kv_bytes: int = 0  # bytes the caches hold at the end
+    finish_reason: str = ""  # "stop" (EOS or stop string) or "length"
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.generated_tokens - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s else 0.0
+
+
+def prefill(model: nn.Module, caches: list, token_ids: list[int], *, chunk: int) -> mx.array:
+    """Run the prompt through the model in chunks of `chunk` tokens.
+
+    Args:
+        model (nn.Module): mlx-lm model.
+        caches (list): Per-layer caches; filled in place.
+        token_ids (list[int]): Prompt tokens (at least one).
+        chunk (int): Tokens per forward (bounds activation memory).
+
+    Returns:
+        mx.array: Logits of the last prompt token, [vocab] (lazy).
+    """
+    tokens = mx.array(token_ids, dtype=mx.uint32)[None]
+    for start in range(0, len(token_ids) - chunk, chunk):
+        model(tokens[:, start : start + chunk], cache=caches)
+        mx.eval([c.state for c in caches])
+    last = ((len(token_ids) - 1) // chunk) * chunk
+    return model(tokens[:, last:], cache=caches)[0, -1]
+
+
+def cap_max_tokens(prompt_tokens: int, max_tokens: int, max_context: int) -> int:
+    """Cap generation so prompt + output fits the context (tokens).
+
+    Raises:
+        ContextOverflow: the prompt alone leaves no room for one generated token.
+    """
+    if prompt_tokens >= max_context:
+        raise ContextOverflow(prompt_tokens, max_context)
+    return min(max_tokens, max_context - prompt_tokens)
+
+
+def generate(
+    model: nn.Module,
+    tokenizer,
+    token_ids: list[int],
+    caches: list,
+    params: SamplingParams,
+    *,
+    max_context: int,
+    prefill_chunk: int = 512,
+    stats: GenerationStats | None = None,
+) -> Iterator[str]:
+    """Generate from a prompt, yielding UTF-8-safe text deltas.
+
+    Decode is pipelined as in mlx-lm's `generate_step`: step n+1 is launched with
+    `mx.async_eval` before token n is read back. Generation ends on an EOS token, a stop
+    string (also across token boundaries; the stop text is not emitted), or after
+    `params.max_tokens` tokens capped to the context.
+
+    Args:
+        token_ids (list[int]): Prompt tokens.
+        caches (list): Fresh per-layer caches (from `make_layer_caches`).
+        max_context (int): Context cap (tokens).
+        stats (GenerationStats | None): Filled in as generation goes.
+
+    Raises:
+        ContextOverflow: the prompt does not fit `max_context`.
+    """
+    stats = stats if stats is not None else GenerationStats()
+    max_tokens = cap_max_tokens(len(token_ids), params.max_tokens, max_context)
+    sampler, stops = RequestSampler(params), StopMatcher(params.stop)
+    detok, eos = tokenizer.detokenizer, set(tokenizer.eos_token_ids)
+    stats.prompt_tokens = len(token_ids)
+    t0 = time.perf_counter()
+    y = sampler(prefill(model, caches, token_ids, chunk=prefill_chunk))
+    mx.async_eval(y)
+    for n in range(1, max_tokens + 1):
+        if n < max_tokens:
+            next_y = sampler(model(y.reshape(1, 1), cache=caches)[0, -1])
+            mx.async_eval(next_y)
+        token = y.item()
+        if n == 1:
+            t1 = time.perf_counter()
+            stats.prefill_s = t1 - t0
+        stats.token_ids.append(token)
+        stats.generated_tokens = n
+        if token in eos:
+            stats.finish_reason = "stop"
+            break
+        detok.add_token(token)
+        text = stops.feed(detok.last_segment)
+        if text:
+            yield text
+        if stops.stopped:
+            stats.finish_reason = "stop"
+            break
+        if n < max_tokens:
+            y = next_y
+    else:
+        stats.finish_reason = "length"
+    stats.decode_s = time.perf_counter() - t1
+    if not stops.stopped:
+        detok.finalize()
+        tail = stops.feed(detok.last_segment) + stops.flush()
+        if tail:
+            yield tail
+    stats.kv_bytes = sum(c.nbytes for c in caches)

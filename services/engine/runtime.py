@@ -1,0 +1,40 @@
+"""From settings to a loaded model plus the cache options every sequence on it uses."""
+
+from __future__ import annotations
+
+from shared.errors import BadRequest
+from shared.settings import ModelSettings
+
+from .cache import CacheOptions, Window
+from .model.loader import LoadedModel, load_model
+
+
+def cache_options(settings: ModelSettings, loaded: LoadedModel) -> CacheOptions:
+    """Validate the cache settings against the model and freeze them.
+
+    Raises:
+        BadRequest: `max_context` above the model's advertised window, or a window
+            with `keep >= size`.
+    """
+    advertised = loaded.advertised_context
+    max_context = settings.max_context or advertised
+    if max_context > advertised:
+        raise BadRequest(f"--max-context {max_context} exceeds the model's advertised context of {advertised} tokens")
+    window = None
+    if settings.kv_window_size is not None:
+        try:
+            window = Window(settings.kv_window_size, settings.kv_window_keep)
+        except ValueError as exc:
+            raise BadRequest(f"--kv-window-size/--kv-window-keep: {exc}") from exc
+    return CacheOptions(
+        scheme=settings.kv_cache,
+        max_context=max_context,
+        window=window,
+        raw_layers=frozenset(settings.kv_raw_layers),
+    )
+
+
+def open_model(settings: ModelSettings) -> tuple[LoadedModel, CacheOptions]:
+    """Load the model named by `settings.model` and derive its cache options."""
+    loaded = load_model(settings.model, dtype=settings.dtype)
+    return loaded, cache_options(settings, loaded)

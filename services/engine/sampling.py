@@ -1,0 +1,68 @@
+"""Per-request sampling: temperature, top-k, top-p, and a seed that belongs to the request.
+
+Each request owns a PRNG key split once per generated token, so its draws do not depend
+on what else shares the batch. Logit filters are mlx-lm's (`apply_top_k`, `apply_top_p`).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+from shared.errors import BadRequest
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    Attributes:
+        temperature (float): 0 means greedy (argmax).
+        top_p (float): Nucleus mass in (0, 1]; 1 disables it.
+        top_k (int): Keep the k most likely tokens; 0 disables it.
+        seed (int | None): PRNG seed; `None` draws one.
+        max_tokens (int): Most tokens to generate.
+        stop (tuple[str, ...]): Strings that end generation (not included in the output).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise BadRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise BadRequest(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise BadRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+class RequestSampler:
+    """Draws one request's tokens with its own PRNG stream."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self._key = mx.random.key(seed)
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        """Sample from logits [V] (float) and return a scalar uint32 token id (lazy)."""
+        p = self.params
+        if p.temperature == 0:
+            return mx.argmax(logits, axis=-1)
+        self._key, draw = mx.random.split(self._key)
+        logprobs = (logits - mx.logsumexp(logits, keepdims=True))[None]
+        if p.top_k > 0:
+            logprobs = apply_top_k(logprobs, p.top_k)
+        if p.top_p < 1:
+            logprobs = apply_top_p(logprobs, p.top_p)
+        return mx.random.categorical(logprobs * (1 / p.temperature), key=draw)[0]

@@ -1,0 +1,56 @@
+"""The `buttermilk` CLI as a user runs it: real subprocesses, real default model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+
+def buttermilk(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_says_paris():
+    proc = buttermilk("generate", "--model", "default", "--prompt", "The capital of France is",
+                      "--max-tokens", "12", "--temperature", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "decode" in proc.stderr and "KV" in proc.stderr
+
+
+def test_generate_json_fields():
+    proc = buttermilk("generate", "--model", "default", "--prompt", "Hello", "--max-tokens", "5", "--json")
+    out = json.loads(proc.stdout)
+    assert out["generated_tokens"] == len(out["token_ids"]) <= 5
+    # 30 layers x K,V x 3 KV heads x 64 dims x 4 bytes (float32) per cached token.
+    cached = out["prompt_tokens"] + out["generated_tokens"] - (out["finish_reason"] == "length")
+    assert out["kv_bytes"] == cached * 30 * 2 * 3 * 64 * 4
+    assert out["kv_cache"] == "raw"
+
+
+def test_prompt_longer_than_context_names_both_numbers():
+    proc = buttermilk("generate", "--model", "default", "--prompt", "one two three four five six", "--max-context", "4")
+    assert proc.returncode == 2
+    assert "6 tokens" in proc.stderr and "4 tokens" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("model", ["/nonexistent/model", "tests/conftest.py"])
+def test_bad_model_is_a_clear_error(model):
+    proc = buttermilk("generate", "--model", model, "--prompt", "hi")
+    assert proc.returncode == 2
+    assert model in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_inspect_layer_trace_json():
+    proc = buttermilk("inspect", "--model", "default", "--layer-trace", "--json", "--max-context", "2048")
+    report = json.loads(proc.stdout)
+    assert (report["n_layers"], report["n_heads"], report["n_kv_heads"], report["head_dim"]) == (30, 9, 3, 64)
+    assert report["max_context"] == 2048 and len(report["layers"]) == 30
+    layer = report["layers"][0]
+    assert layer["bytes_per_token"] == 2 * 3 * 64 * 4 and layer["ratio_to_raw"] == 1.0
