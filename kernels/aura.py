@@ -32,7 +32,7 @@ from kernels.rotation import RandomizedHadamard
 SCALE_DTYPE = mx.float16
 SCHEME_MIN_BITS = 2
 _WORD_BITS = 32
-_SCHEME = re.compile(r"aura(\d+)v(\d+)")
+_SCHEME = re.compile(r"aura(\d)v(\d)")
 
 
 class AuraCodes(NamedTuple):
@@ -66,110 +66,76 @@ def _thresholds(bits: int) -> mx.array:
 
 
 @functools.lru_cache(maxsize=None)
-def _pack_plan(count: int, bits: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """Static gather plan: which values land in each word, and with which shifts.
+def _block_plan(bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Static shift plan for one block of the bit stream.
 
-    Value `i` starts at bit `rel = i*bits - 32*j` of word `j` (negative when it began in
-    word `j - 1`); its contribution is `(v << max(rel, 0)) >> max(-rel, 0)`, truncated to
-    32 bits. Rows are padded to the widest word with a zero mask.
-
-    Returns:
-        `(index, left, right, mask)`, each uint32 `[words, per_word]`.
-    """
-    words = count * bits // _WORD_BITS
-    first = np.arange(words) * _WORD_BITS // bits
-    last = (np.arange(words) * _WORD_BITS + _WORD_BITS - 1) // bits
-    per_word = int(np.max(last - first)) + 1
-    index = first[:, None] + np.arange(per_word)[None, :]
-    mask = index <= last[:, None]
-    index = np.where(mask, index, 0)
-    rel = index * bits - np.arange(words)[:, None] * _WORD_BITS
-    plan = (index, np.maximum(rel, 0), np.maximum(-rel, 0), mask)
-    return tuple(mx.array(a.astype(np.uint32)) for a in plan)
-
-
-@functools.lru_cache(maxsize=None)
-def _unpack_plan(count: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
-    """Static plan: value `i` is in word `w` from bit `o`, spilling into word `w + 1`.
+    The layout repeats every `P = 32 / gcd(bits, 32)` values, which fill exactly
+    `Q = bits / gcd(bits, 32)` words. Value `p` of a block starts at bit
+    `start = p*bits - 32*q` of word `q` of that block (negative when it began in an
+    earlier word); it touches the word iff `-bits < start < 32`, contributing
+    `(v << max(start, 0)) >> max(-start, 0)` truncated to 32 bits. Every shift is < 32.
 
     Returns:
-        `(word, next_word, offset)`, each uint32 `[count]`; `next_word` is clamped to the
-        last word (its bits are masked off when the value does not spill).
+        `(left, right, touches)`, each uint32 `[Q, P]`.
     """
-    start = np.arange(count) * bits
-    word = start // _WORD_BITS
-    next_word = np.minimum(word + 1, count * bits // _WORD_BITS - 1)
-    plan = (word, next_word, start % _WORD_BITS)
-    return tuple(mx.array(a.astype(np.uint32)) for a in plan)
+    values = _WORD_BITS // math.gcd(bits, _WORD_BITS)
+    words = values * bits // _WORD_BITS
+    start = np.arange(values)[None, :] * bits - np.arange(words)[:, None] * _WORD_BITS
+    touches = (start > -bits) & (start < _WORD_BITS)
+    left = np.where(touches, np.maximum(start, 0), 0)
+    right = np.where(touches, np.maximum(-start, 0), 0)
+    return tuple(mx.array(a.astype(np.uint32)) for a in (left, right, touches))
 
 
 def pack_bits(values: mx.array, bits: int) -> mx.array:
     """Pack `bits`-bit unsigned values into uint32 words along the last axis.
 
+    Vectorized over blocks of `32 / gcd(bits, 32)` values (no gathers); odd widths cost
+    `bits / gcd(bits, 32)` times more arithmetic than widths dividing 32.
+
     Args:
-        values: Integer array `[..., n]` with values in `[0, 2**bits)`; `n * bits` must be
-            a multiple of 32.
-        bits: Width 1..32 of each value.
+        values: Integer array `[..., n]` with values in `[0, 2**bits)`; `n` must be a
+            multiple of `32 / gcd(bits, 32)` (so `n * bits` is a multiple of 32).
+        bits: Width of each value, 1..8.
 
     Returns:
         uint32 `[..., n * bits / 32]` in the `mx.quantize` bit-stream layout.
 
     Raises:
-        ValueError: If `n * bits` is not a multiple of 32.
+        ValueError: If `n` is not a whole number of blocks.
     """
+    left, right, touches = _block_plan(bits)
     count = values.shape[-1]
-    if count * bits % _WORD_BITS:
-        raise ValueError(f"n * bits must be a multiple of 32, got {count} * {bits}")
-    index, left, right, mask = _pack_plan(count, bits)
-    gathered = mx.take(values.astype(mx.uint32), index.reshape(-1), axis=-1)
-    gathered = gathered.reshape(*values.shape[:-1], *index.shape)
-    return (((gathered << left) >> right) * mask).sum(axis=-1)
+    if count % left.shape[1]:
+        raise ValueError(f"{count} values of {bits} bits do not fill whole uint32 words")
+    blocks = values.astype(mx.uint32).reshape(*values.shape[:-1], -1, 1, left.shape[1])
+    words = (((blocks << left) >> right) * touches).sum(axis=-1)
+    return words.reshape(*values.shape[:-1], -1)
 
 
 def unpack_bits(packed: mx.array, bits: int) -> mx.array:
     """Inverse of `pack_bits`.
 
     Args:
-        packed: uint32 `[..., words]`.
-        bits: Width 1..32 of each value.
+        packed: uint32 `[..., words]`, `words` a multiple of `bits / gcd(bits, 32)`.
+        bits: Width of each value, 1..8.
 
     Returns:
-        uint32 `[..., words * 32 / bits]` of values in `[0, 2**bits)`.
+        uint32 `[..., words * 32 / bits]` with values in `[0, 2**bits)`.
     """
-    count = packed.shape[-1] * _WORD_BITS // bits
-    word, next_word, offset = _unpack_plan(count, bits)
-    low = mx.take(packed, word, axis=-1) >> offset
-    high = (mx.take(packed, next_word, axis=-1) << (31 - offset)) << 1  # << (32 - offset)
-    return (low | high) & ((1 << bits) - 1)
-
-
-def _nearest_centroid(u: mx.array, bits: int) -> mx.array:
-    """Index of the Lloyd-Max cell of each element: `count(thresholds < u)`.
-
-    Branch-free binary search over the sorted thresholds: `bits` gather/compare steps
-    instead of a `2**bits - 1` wide comparison.
-
-    Args:
-        u: float32 array of normalised coordinates.
-        bits: Code width.
-
-    Returns:
-        uint32 array shaped like `u`, values in `[0, 2**bits)`.
-    """
-    thresholds = _thresholds(bits)
-    index = mx.zeros(u.shape, dtype=mx.uint32)
-    for level in reversed(range(bits)):
-        candidate = index + (1 << level)
-        index = mx.where(u > mx.take(thresholds, candidate - 1), candidate, index)
-    return index
+    left, right, touches = _block_plan(bits)
+    blocks = packed.reshape(*packed.shape[:-1], -1, left.shape[0], 1)
+    values = (((blocks >> left) << right) * touches).sum(axis=-2) & ((1 << bits) - 1)
+    return values.reshape(*packed.shape[:-1], -1)
 
 
 def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> AuraCodes:
     """Encode every vector along the last axis independently.
 
-    Computed in float32: `u = sqrt(d) * rotation.forward(x) / ||x||`, `idx` = nearest
-    centroid of `lloyd_max_codebook(bits)`, `scale = ||x|| / ||c[idx]||`. A zero vector
-    gets scale 0 (and decodes to zeros).
+    Computed in float32: `u = sqrt(d) * rotation.forward(x) / ||x||`; `idx` = nearest
+    centroid of `lloyd_max_codebook(bits)`, found as `count(thresholds < u)` with
+    `mx.searchsorted` (ties go to the lower cell); `scale = ||x|| / ||c[idx]||`. A zero
+    vector gets scale 0 (and decodes to zeros).
 
     Args:
         x: `[B, H, L, d]` (any leading shape) float16, bfloat16 or float32 array.
@@ -191,7 +157,7 @@ def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> Aura
     x = x.astype(mx.float32)
     norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
     inverse_norm = mx.where(norm > 0, math.sqrt(head_dim) / norm, 0.0)
-    index = _nearest_centroid(rotation.forward(x) * inverse_norm, bits)
+    index = mx.searchsorted(_thresholds(bits), rotation.forward(x) * inverse_norm)
     centroids = mx.take(aura_codebook(bits), index)
     scale = norm / mx.sqrt(mx.sum(centroids * centroids, axis=-1, keepdims=True))
     return AuraCodes(pack_bits(index, bits), scale.astype(SCALE_DTYPE))

@@ -101,3 +101,23 @@ def aura_decode_ref(
 ) -> np.ndarray:
     """AURA decode in float64: `Pi^T (scale * c[index])`, `[..., d]`."""
     return (scale * codebook[index]) @ rotation_matrix_ref(signs)
+
+
+def lloyd_step_ref(codebook: np.ndarray) -> np.ndarray:
+    """One Lloyd step on a full, sorted N(0, 1) codebook: conditional means of the cells.
+
+    Cells are bounded by midpoints; probabilities use erfc on the side away from 0 so tail
+    cells keep full relative precision.
+    """
+    edges = np.concatenate([[-np.inf], 0.5 * (codebook[:-1] + codebook[1:]), [np.inf]])
+    means = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        if a >= 0:
+            mass = 0.5 * (math.erfc(a / math.sqrt(2)) - math.erfc(b / math.sqrt(2)))
+        elif b <= 0:
+            mass = 0.5 * (math.erfc(-b / math.sqrt(2)) - math.erfc(-a / math.sqrt(2)))
+        else:
+            mass = 0.5 * (math.erf(b / math.sqrt(2)) - math.erf(a / math.sqrt(2)))
+        density = [math.exp(-0.5 * t * t) / math.sqrt(2 * math.pi) for t in (a, b)]
+        means.append((density[0] - density[1]) / mass)
+    return np.array(means)

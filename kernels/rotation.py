@@ -75,8 +75,14 @@ class RandomizedHadamard:
         return f"RandomizedHadamard(head_dim={self.head_dim}, seed={self.seed})"
 
     def _check(self, x: mx.array) -> None:
-        if x.shape[-1] != self.head_dim:
+        if x.ndim == 0 or x.shape[-1] != self.head_dim:
             raise ValueError(f"last axis must be {self.head_dim}, got shape {tuple(x.shape)}")
+
+    def _transform(self, x: mx.array) -> mx.array:
+        # mx.hadamard_transform rejects empty arrays; a cache may pass zero tokens.
+        if x.size == 0:
+            return x
+        return mx.hadamard_transform(x, scale=self._scale)
 
     def forward(self, x: mx.array) -> mx.array:
         """Rotate: `H (signs * x) / sqrt(d)`.
@@ -91,7 +97,7 @@ class RandomizedHadamard:
             ValueError: If the last axis is not `head_dim`.
         """
         self._check(x)
-        return mx.hadamard_transform(self.signs.astype(x.dtype) * x, scale=self._scale)
+        return self._transform(self.signs.astype(x.dtype) * x)
 
     def inverse(self, y: mx.array) -> mx.array:
         """Undo `forward`: `signs * (H y) / sqrt(d)` (`H` is symmetric).
@@ -106,4 +112,4 @@ class RandomizedHadamard:
             ValueError: If the last axis is not `head_dim`.
         """
         self._check(y)
-        return self.signs.astype(y.dtype) * mx.hadamard_transform(y, scale=self._scale)
+        return self.signs.astype(y.dtype) * self._transform(y)

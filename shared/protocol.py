@@ -120,15 +120,16 @@ class ChatMessage(_Model):
     content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 
 
+ChatMessages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+
+
 class Generate(_Message):
     """Start a generation; exactly one of `prompt`, `messages`, `token_ids`."""
 
     TYPE = MessageType.GENERATE
     id: Id
     prompt: Prompt | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
-        None
-    )
+    messages: ChatMessages | None = None
     token_ids: PromptTokens | None = None
     max_tokens: MaxTokens = DEFAULT_MAX_TOKENS
     temperature: Temperature = 0.0  # 0 is greedy
@@ -137,16 +138,19 @@ class Generate(_Message):
     seed: Seed | None = None
     stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] = []
     session_id: Id | None = None  # multi-turn: the prompt is only this turn's new input
+    new_session: bool = False  # True starts `session_id`; False continues a live one
     lease_id: Id | None = None
     stream: bool = True
 
     @model_validator(mode="after")
-    def _one_input(self) -> Generate:
+    def _check_inputs(self) -> Generate:
         given = [n for n in ("prompt", "messages", "token_ids") if getattr(self, n) is not None]
         if len(given) != 1:
             raise ValueError(f"exactly one of prompt, messages, token_ids is required, got {given}")
         if self.messages and sum(len(m.content) for m in self.messages) > MAX_PROMPT_CHARS:
             raise ValueError(f"messages hold more than {MAX_PROMPT_CHARS} characters")
+        if self.new_session and self.session_id is None:
+            raise ValueError("new_session=true needs a session_id")
         return self
 
 
@@ -401,7 +405,7 @@ class Revoked(_Message):
     """The controller dropped these requests and sessions; end them with `error {code}`."""
 
     TYPE = MessageType.REVOKED
-    code: Code  # lease_expired or engine_failed
+    code: Code  # lease_expired, engine_failed, or cancelled (lease or session closed)
     request_ids: Ids = []
     session_ids: Ids = []
 

@@ -21,7 +21,10 @@ def make_ledger(*capacities: int) -> Ledger:
 
 
 def usage(ledger: Ledger) -> dict[str, tuple[int, int, int]]:
-    return {e.engine_id: (e.reserved_tokens, e.held_tokens, e.free_tokens) for e in ledger.stats().engines}
+    return {
+        e.engine_id: (e.reserved_tokens, e.held_tokens, e.free_tokens)
+        for e in ledger.stats().engines
+    }
 
 
 def assert_all_free(ledger: Ledger) -> None:
@@ -117,10 +120,16 @@ def test_expiry_releases_only_the_expired_leases_items():
     d = ledger.reserve("d", 10, now=1)  # no lease
     released = ledger.expire(6.0)
     assert released.lease_ids == [short.lease_id]
-    assert released.engines["e0"].request_ids == ["a"] and released.engines["e0"].resv_ids == [a.resv_id]
+    assert released.engines["e0"].request_ids == ["a"] and released.engines["e0"].resv_ids == [
+        a.resv_id
+    ]
     assert released.engines["e1"].session_ids == ["s1"]
     assert sorted(released.request_ids) == ["a"]
-    assert ledger.reservation(b.resv_id) and ledger.reservation(d.resv_id) and ledger.lease(long.lease_id)
+    assert (
+        ledger.reservation(b.resv_id)
+        and ledger.reservation(d.resv_id)
+        and ledger.lease(long.lease_id)
+    )
     assert ledger.session("s1") is None
     ledger.check_invariants()
 
@@ -257,7 +266,9 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(dt=st.floats(0.0, 20.0))
     def advance_and_expire(self, dt):
         self.now += dt
-        expired = {l for l in self.leases if (x := self.ledger.lease(l)) and x.expires_at <= self.now}
+        expired = {
+            l for l in self.leases if (x := self.ledger.lease(l)) and x.expires_at <= self.now
+        }
         before = self.live_resvs()
         sessions = [s for s in map(self.ledger.session, self.all_sessions()) if s]
         dropped_sessions = [
@@ -266,7 +277,9 @@ class LedgerMachine(RuleBasedStateMachine):
         ]  # fmt: skip
         released = self.ledger.expire(self.now)
         assert set(released.lease_ids) == expired
-        self.check_released(released, [r for r in before if r.lease_id in expired], dropped_sessions)
+        self.check_released(
+            released, [r for r in before if r.lease_id in expired], dropped_sessions
+        )
 
     @rule(ttl=st.floats(1.0, 30.0))
     def open_lease(self, ttl):
@@ -302,7 +315,9 @@ class LedgerMachine(RuleBasedStateMachine):
         hint=st.none() | st.sampled_from(ENGINES),
     )
     def reserve(self, tokens, lease_i, session, hint):
-        lease_id = self.leases[lease_i % len(self.leases)] if lease_i is not None and self.leases else None
+        lease_id = (
+            self.leases[lease_i % len(self.leases)] if lease_i is not None and self.leases else None
+        )
         self.num_requests += 1
         could = self.ledger.can_reserve(tokens, engine_id=hint, session_id=session)
         try:

@@ -33,7 +33,7 @@ EXAMPLES: list[p.Message] = [
         id="L/s/r2",
         messages=[p.ChatMessage(role="system", content="be brief"), p.ChatMessage(role="user", content="hi")],
         max_tokens=32, temperature=0.7, top_p=0.9, top_k=40, seed=7, stop=["\n\n"],
-        session_id="s", lease_id="L", stream=False,
+        session_id="s", new_session=True, lease_id="L", stream=False,
     ),
     p.Generate(id="r3", token_ids=[1, 2, 3]),
     p.Cancel(id="r1"),
@@ -106,8 +106,14 @@ def test_round_trip(msg):
 def test_defaults_and_unknown_keys_are_ignored():
     msg = p.decode(frame(v=1, type="generate", id="r", prompt="x", future_field={"a": 1}))
     assert isinstance(msg, p.Generate)
-    assert (msg.max_tokens, msg.temperature, msg.top_p, msg.top_k, msg.seed) == (256, 0.0, 1.0, None, None)
-    assert msg.stop == [] and msg.stream is True and msg.session_id is None
+    assert (msg.max_tokens, msg.temperature, msg.top_p, msg.top_k, msg.seed) == (
+        256,
+        0.0,
+        1.0,
+        None,
+        None,
+    )
+    assert msg.stop == [] and msg.stream is True and msg.session_id is None and not msg.new_session
 
 
 def test_integer_is_accepted_for_float_fields():
@@ -129,11 +135,35 @@ def test_allowed_types_filter():
     assert isinstance(p.decode(p.encode(p.Cancel(id="r")), allowed=p.CLIENT_TYPES), p.Cancel)
 
 
-def test_documented_example_frame_matches_encoder():
-    msg = p.Generate(id="r1", prompt="Hi", max_tokens=8, stop=["\n"])
-    hexed = p.encode(msg).hex()
-    doc = (pathlib.Path(__file__).parents[1] / "docs" / "protocol.md").read_text()
-    assert hexed in doc.replace(" ", "").replace("\n", "")
+DOC = pathlib.Path(__file__).parents[1] / "docs" / "protocol.md"
+DOC_EXAMPLE_HEX = (
+    "85 a1 76 01 a4 74 79 70 65 a8 67 65 6e 65 72 61 74 65 a2 69 64 a2 72 31 a6 70 72 6f 6d 70 74"
+    " a2 48 69 aa 6d 61 78 5f 74 6f 6b 65 6e 73 08"
+)
+
+
+def test_documented_example_frame_decodes():
+    assert DOC_EXAMPLE_HEX in DOC.read_text()
+    data = bytes.fromhex(DOC_EXAMPLE_HEX)
+    assert len(data) == 46
+    assert p.decode(data) == p.Generate(id="r1", prompt="Hi", max_tokens=8)
+
+
+def all_error_classes(cls=ButtermilkError):
+    yield cls
+    for sub in cls.__subclasses__():
+        yield from all_error_classes(sub)
+
+
+def test_documented_error_table_matches_error_classes():
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) == 3 and cells[1] in {"yes", "no"} and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = cells[1] == "yes"
+    assert set(rows) == {c.value for c in ErrorCode}
+    for cls in all_error_classes():
+        assert rows[cls.code.value] == cls.retryable, cls
 
 
 # ---- generated well-formed generates ----------------------------------------------------
@@ -163,7 +193,8 @@ def generates(draw):
         top_k=draw(st.none() | st.integers(1, 1000)),
         seed=draw(st.none() | st.integers(0, p.MAX_SEED)),
         stop=draw(st.lists(st.text(min_size=1, max_size=10), max_size=p.MAX_STOP_STRINGS)),
-        session_id=draw(st.none() | ids),
+        session_id=(session := draw(st.none() | ids)),
+        new_session=session is not None and draw(st.booleans()),
         lease_id=draw(st.none() | ids),
         stream=draw(st.booleans()),
     )
@@ -228,9 +259,17 @@ MALFORMED = {
                  ["field messages.0.role"]),
     "message not a map": (frame(v=1, type="generate", id="r9", messages=["hi"]), ["field messages.0"]),
     "no input": (frame(v=1, type="generate", id="r9"), ["exactly one"]),
+    "new session without id": (frame(**GOOD, new_session=True), ["needs a session_id"]),
     "two inputs": (frame(**GOOD, token_ids=[1]), ["exactly one"]),
     "negative token id": (frame(v=1, type="generate", id="r9", token_ids=[1, -2]), ["field token_ids.1"]),
     "token id as float": (frame(v=1, type="generate", id="r9", token_ids=[1.5]), ["field token_ids.0"]),
+    "too many token ids": (
+        frame(v=1, type="generate", id="r9", token_ids=[1] * (p.MAX_PROMPT_TOKENS + 1)),
+        ["field token_ids"],
+    ),
+    "ext type value": (frame(**{**GOOD, "prompt": msgpack.ExtType(1, b"ab")}), ["field prompt"]),
+    "timestamp value": (frame(**{**GOOD, "prompt": msgpack.Timestamp(1, 0)}), ["field prompt"]),
+    "ext type frame": (msgpack.packb(msgpack.ExtType(3, b"\x00")), ["map"]),
     "empty token ids": (frame(v=1, type="generate", id="r9", token_ids=[]), ["field token_ids"]),
     "ttl too small": (frame(v=1, type="lease_open", ttl_s=0.5), ["field ttl_s"]),
     "ttl infinite": (frame(v=1, type="lease_open", ttl_s=math.inf), ["field ttl_s"]),
@@ -286,7 +325,8 @@ scalars = (
 )  # fmt: skip
 values = st.recursive(
     scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=12), inner, max_size=4),
     max_leaves=20,
 )
 field_names = st.sampled_from(

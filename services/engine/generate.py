@@ -50,11 +50,11 @@ def prefill(model: nn.Module, caches: list, token_ids: list[int], *, chunk: int)
         mx.array: Logits of the last prompt token, [vocab] (lazy).
     """
     tokens = mx.array(token_ids, dtype=mx.uint32)[None]
-    for start in range(0, len(token_ids) - chunk, chunk):
-        model(tokens[:, start : start + chunk], cache=caches)
+    # All but the last token only fill the caches: evaluating just their state skips the LM head.
+    for start in range(0, len(token_ids) - 1, chunk):
+        model(tokens[:, start : min(start + chunk, len(token_ids) - 1)], cache=caches)
         mx.eval([c.state for c in caches])
-    last = ((len(token_ids) - 1) // chunk) * chunk
-    return model(tokens[:, last:], cache=caches)[0, -1]
+    return model(tokens[:, -1:], cache=caches)[0, -1]
 
 
 def cap_max_tokens(prompt_tokens: int, max_tokens: int, max_context: int) -> int:

@@ -50,7 +50,7 @@ class RawCodec:
         self.dtype = dtype
 
     def encode(self, x: mx.array) -> Fields:
-        return (x.astype(self.dtype),)
+        return (x if x.dtype == self.dtype else x.astype(self.dtype),)
 
     def decode(self, fields: Fields) -> mx.array:
         return fields[0]
