@@ -105,12 +105,14 @@ def pack_bits(values: mx.array, bits: int) -> mx.array:
         ValueError: If `n` is not a whole number of blocks.
     """
     left, right, touches = _block_plan(bits)
-    count = values.shape[-1]
-    if count % left.shape[1]:
+    words_per_block, values_per_block = left.shape
+    *lead, count = values.shape
+    if count % values_per_block:
         raise ValueError(f"{count} values of {bits} bits do not fill whole uint32 words")
-    blocks = values.astype(mx.uint32).reshape(*values.shape[:-1], -1, 1, left.shape[1])
+    num_blocks = count // values_per_block
+    blocks = values.astype(mx.uint32).reshape(*lead, num_blocks, 1, values_per_block)
     words = (((blocks << left) >> right) * touches).sum(axis=-1)
-    return words.reshape(*values.shape[:-1], -1)
+    return words.reshape(*lead, num_blocks * words_per_block)
 
 
 def unpack_bits(packed: mx.array, bits: int) -> mx.array:
@@ -124,9 +126,12 @@ def unpack_bits(packed: mx.array, bits: int) -> mx.array:
         uint32 `[..., words * 32 / bits]` with values in `[0, 2**bits)`.
     """
     left, right, touches = _block_plan(bits)
-    blocks = packed.reshape(*packed.shape[:-1], -1, left.shape[0], 1)
+    words_per_block, values_per_block = left.shape
+    *lead, words = packed.shape
+    num_blocks = words // words_per_block
+    blocks = packed.reshape(*lead, num_blocks, words_per_block, 1)
     values = (((blocks >> left) << right) * touches).sum(axis=-2) & ((1 << bits) - 1)
-    return values.reshape(*packed.shape[:-1], -1)
+    return values.reshape(*lead, num_blocks * values_per_block)
 
 
 def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> AuraCodes:

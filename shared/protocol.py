@@ -4,118 +4,85 @@ Every frame is one msgpack map `{"v": 1, "type": <MessageType>, ...fields}` with
 Unknown keys are ignored; a missing or mistyped field is a `ProtocolError` (a `BadRequest`).
 This module owns no state: `encode`/`decode` are pure, and never pickle. The full reference,
 with defaults, limits and lifecycles, is docs/protocol.md; keep the two in step.
+
+Client messages live here; limits, enums and field types in `protocol_base`; messages between
+buttermilk processes in `protocol_internal`. Everything is re-exported from this module.
 """
 
 from __future__ import annotations
 
-from enum import StrEnum
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from shared.errors import BadRequest, ButtermilkError, ErrorCode
-
-SCHEMA_VERSION = 1
-MAX_FRAME_BYTES = 4 * 1024 * 1024  # a larger frame is rejected before it is unpacked
-MAX_PROMPT_CHARS = 1024 * 1024  # prompt, or all message contents together, in characters
-MAX_PROMPT_TOKENS = 256 * 1024  # length of `token_ids` in a generate
-MAX_MESSAGES = 1024  # chat messages in one generate
-MAX_TOKENS_LIMIT = 1024 * 1024  # largest `max_tokens` accepted; the gateway caps it further
-MAX_TOKEN_ID = 2**31 - 1
-MAX_SEED = 2**63 - 1
-MAX_ID_CHARS = 256  # request, lease, session, reservation and engine ids
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-MAX_ERROR_CHARS = 4096  # error messages are cut to this length by `error_reply`
-MAX_LIST_ITEMS = 4096  # id lists and token batches in internal messages
-DEFAULT_MAX_TOKENS = 256
-DEFAULT_LEASE_TTL_S = 30.0
-MIN_LEASE_TTL_S = 1.0
-MAX_LEASE_TTL_S = 3600.0
-
-
-class MessageType(StrEnum):
-    """Every message type; the values are the wire strings."""
-
-    GENERATE = "generate"  # client → gateway
-    CANCEL = "cancel"
-    LEASE_OPEN = "lease_open"
-    LEASE_RENEW = "lease_renew"
-    LEASE_CLOSE = "lease_close"
-    SESSION_CLOSE = "session_close"
-    HEALTH = "health"
-    STATS = "stats"
-    TOKEN = "token"  # gateway → client
-    DONE = "done"
-    ERROR = "error"
-    LEASE = "lease"
-    LEASE_CLOSED = "lease_closed"
-    SESSION_CLOSED = "session_closed"
-    HEALTH_OK = "health_ok"
-    STATS_REPLY = "stats_reply"
-    HELLO = "hello"  # engine → gateway and controller
-    ENGINE_GENERATE = "engine_generate"  # gateway → engine
-    ENGINE_TOKENS = "engine_tokens"  # engine → gateway
-    ENGINE_FINISHED = "engine_finished"  # engine → gateway
-    ENGINE_ABORT = "engine_abort"  # gateway or controller → engine
-    ENGINE_SESSION_CLOSE = "engine_session_close"  # gateway or controller → engine
-    HEARTBEAT = "heartbeat"  # engine → controller
-    RESERVE = "reserve"  # gateway → controller
-    RESERVED = "reserved"  # controller → gateway
-    RECONCILE = "reconcile"  # engine → controller
-    RELEASE = "release"  # engine → controller
-    ENGINE_DEAD = "engine_dead"  # supervisor or gateway → controller
-    REVOKED = "revoked"  # controller → gateway
-
-
-class FinishReason(StrEnum):
-    """Why a generation ended; the values are the wire strings."""
-
-    STOP = "stop"  # end-of-sequence token or a stop string
-    LENGTH = "length"  # max_tokens (after capping) or the context limit
-    CANCELLED = "cancelled"  # the client's cancel, or an abort
-    ERROR = "error"  # the engine failed this request
-
-
-class ProtocolError(BadRequest):
-    """A frame that is not a valid message; `request_id` is the frame's `id` when readable."""
-
-    def __init__(self, message: str, request_id: str | None = None):
-        super().__init__(message)
-        self.request_id = request_id
-
-
-Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
-Count = Annotated[int, Field(ge=0)]
-Epoch = Annotated[int, Field(ge=0)]
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-Ids = Annotated[list[Id], Field(max_length=MAX_LIST_ITEMS)]
-MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
-Temperature = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]
-TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
-TopK = Annotated[int, Field(ge=1)]
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
-TtlS = Annotated[float, Field(ge=MIN_LEASE_TTL_S, le=MAX_LEASE_TTL_S, allow_inf_nan=False)]
-Prompt = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
-PromptTokens = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-Reason = Annotated[FinishReason, Field(strict=False)]  # strict mode would demand an enum object
-Code = Annotated[ErrorCode, Field(strict=False)]
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
-
-
-class _Message(_Model):
-    TYPE: ClassVar[MessageType]
-
+from shared.errors import ButtermilkError, ErrorCode
+from shared.protocol_base import (  # re-exported: this module is the one to import
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_MAX_TOKENS,
+    MAX_ERROR_CHARS,
+    MAX_FRAME_BYTES,
+    MAX_ID_CHARS,
+    MAX_LEASE_TTL_S,
+    MAX_LIST_ITEMS,
+    MAX_MESSAGES,
+    MAX_PROMPT_CHARS,
+    MAX_PROMPT_TOKENS,
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOKEN_ID,
+    MAX_TOKENS_LIMIT,
+    MIN_LEASE_TTL_S,
+    SCHEMA_VERSION,
+    Code,
+    Count,
+    Epoch,
+    ErrorText,
+    FinishReason,
+    Id,
+    Ids,
+    MaxTokens,
+    MessageType,
+    Pid,
+    Prompt,
+    PromptTokens,
+    ProtocolError,
+    Reason,
+    Seed,
+    StopString,
+    Struct,
+    Temperature,
+    TokenId,
+    TopK,
+    TopP,
+    TtlS,
+    Usage,
+    WireMessage,
+)
+from shared.protocol_internal import (
+    EngineAbort,
+    EngineDead,
+    EngineFinished,
+    EngineGenerate,
+    EngineSessionClose,
+    EngineTokens,
+    Geometry,
+    Heartbeat,
+    Hello,
+    Reconcile,
+    Release,
+    Reserve,
+    Reserved,
+    Revoked,
+    SamplingParams,
+    TokenChunk,
+)
 
 # ---- client → gateway -------------------------------------------------------------------
 
 
-class ChatMessage(_Model):
+class ChatMessage(Struct):
     role: Literal["system", "user", "assistant", "tool"]
     content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 
@@ -123,7 +90,7 @@ class ChatMessage(_Model):
 ChatMessages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
 
 
-class Generate(_Message):
+class Generate(WireMessage):
     """Start a generation; exactly one of `prompt`, `messages`, `token_ids`."""
 
     TYPE = MessageType.GENERATE
@@ -154,41 +121,41 @@ class Generate(_Message):
         return self
 
 
-class Cancel(_Message):
+class Cancel(WireMessage):
     TYPE = MessageType.CANCEL
     id: Id
 
 
-class LeaseOpen(_Message):
+class LeaseOpen(WireMessage):
     TYPE = MessageType.LEASE_OPEN
     id: Id | None = None  # correlation id, echoed in the reply
     ttl_s: TtlS = DEFAULT_LEASE_TTL_S
 
 
-class LeaseRenew(_Message):
+class LeaseRenew(WireMessage):
     TYPE = MessageType.LEASE_RENEW
     id: Id | None = None
     lease_id: Id
 
 
-class LeaseClose(_Message):
+class LeaseClose(WireMessage):
     TYPE = MessageType.LEASE_CLOSE
     id: Id | None = None
     lease_id: Id
 
 
-class SessionClose(_Message):
+class SessionClose(WireMessage):
     TYPE = MessageType.SESSION_CLOSE
     id: Id | None = None
     session_id: Id
 
 
-class Health(_Message):
+class Health(WireMessage):
     TYPE = MessageType.HEALTH
     id: Id | None = None
 
 
-class Stats(_Message):
+class Stats(WireMessage):
     TYPE = MessageType.STATS
     id: Id | None = None
 
@@ -196,13 +163,7 @@ class Stats(_Message):
 # ---- gateway → client -------------------------------------------------------------------
 
 
-class Usage(_Model):
-    prompt_tokens: Count  # the whole context before decoding, cached tokens included
-    completion_tokens: Count
-    cached_tokens: Count = 0  # prompt tokens reused from the session's KV, not recomputed
-
-
-class Token(_Message):
+class Token(WireMessage):
     """A chunk of output; `index` is the position of `token_ids[0]` in the completion."""
 
     TYPE = MessageType.TOKEN
@@ -212,22 +173,22 @@ class Token(_Message):
     index: Count
 
 
-class Done(_Message):
+class Done(WireMessage):
     TYPE = MessageType.DONE
     id: Id
     finish_reason: Reason
     usage: Usage
 
 
-class Error(_Message):
+class Error(WireMessage):
     TYPE = MessageType.ERROR
     id: Id | None = None  # None when the failing frame had no readable id
     code: Code
-    message: Annotated[str, Field(max_length=MAX_ERROR_CHARS)]
+    message: ErrorText
     retry_after_ms: Count | None = None
 
 
-class Lease(_Message):
+class Lease(WireMessage):
     """Reply to lease_open and lease_renew."""
 
     TYPE = MessageType.LEASE
@@ -236,33 +197,33 @@ class Lease(_Message):
     ttl_s: TtlS
 
 
-class LeaseClosed(_Message):
+class LeaseClosed(WireMessage):
     TYPE = MessageType.LEASE_CLOSED
     id: Id | None = None
     lease_id: Id
 
 
-class SessionClosed(_Message):
+class SessionClosed(WireMessage):
     TYPE = MessageType.SESSION_CLOSED
     id: Id | None = None
     session_id: Id
 
 
-class HealthOk(_Message):
+class HealthOk(WireMessage):
     TYPE = MessageType.HEALTH_OK
     id: Id | None = None
     status: Literal["ok", "degraded"]  # degraded: no live engine
     engines_live: Count
 
 
-class PoolUsage(_Model):
+class PoolUsage(Struct):
     active: Count
     queued: Count
     max_active: Count
     max_queue: Count
 
 
-class EngineUsage(_Model):
+class EngineUsage(Struct):
     engine_id: Id
     epoch: Epoch
     capacity_tokens: Count
@@ -270,9 +231,13 @@ class EngineUsage(_Model):
     held_tokens: Count  # KV kept for multi-turn sessions
     free_tokens: Count
     bytes_per_token: Count
+    used_slots: Count = 0  # engine-reported (latest heartbeat): slots held, sessions included
+    max_slots: Count = 0
+    engine_tokens: Count = 0  # engine-reported: KV tokens its cache holds now
+    pid: Pid | None = None  # the engine's OS process id
 
 
-class StatsReply(_Message):
+class StatsReply(WireMessage):
     TYPE = MessageType.STATS_REPLY
     id: Id | None = None
     pool: PoolUsage | None = None  # filled in by the gateway
@@ -282,145 +247,35 @@ class StatsReply(_Message):
     num_sessions: Count = 0
 
 
-# ---- engine, gateway and controller (internal) ------------------------------------------
-
-
-class Geometry(_Model):
-    slots: Annotated[int, Field(ge=1)]
-    capacity_tokens: Annotated[int, Field(ge=1)]
-    bytes_per_token: Count  # all layers, K and V, metadata included
-    kv_cache: Annotated[str, Field(min_length=1, max_length=32)]  # raw, affine8, aura4v2, ...
-    max_context: Annotated[int, Field(ge=1)]
-
-
-class Hello(_Message):
-    TYPE = MessageType.HELLO
-    engine_id: Id
-    epoch: Epoch  # +1 on every restart of this engine
-    geometry: Geometry
-    model: Annotated[str, Field(max_length=1024)] | None = None
-
-
-class SamplingParams(_Model):
-    max_tokens: MaxTokens  # already capped by the gateway
-    temperature: Temperature = 0.0
-    top_p: TopP = 1.0
-    top_k: TopK | None = None
-    seed: Seed | None = None
-
-
-class EngineGenerate(_Message):
-    """Run a request on the engine chosen by the controller (stop strings stay at the gateway)."""
-
-    TYPE = MessageType.ENGINE_GENERATE
-    id: Id
-    resv_id: Id
-    epoch: Epoch  # the engine drops it when this is not its own epoch
-    token_ids: PromptTokens
-    sampling: SamplingParams
-    session_id: Id | None = None  # keep the KV after finishing; positions continue
-
-
-class TokenChunk(_Model):
-    id: Id
-    token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_LIST_ITEMS)]
-    index: Count  # position of token_ids[0] in the completion
-
-
-class EngineTokens(_Message):
-    TYPE = MessageType.ENGINE_TOKENS
-    engine_id: Id
-    epoch: Epoch
-    chunks: Annotated[list[TokenChunk], Field(max_length=MAX_LIST_ITEMS)]
-
-
-class EngineFinished(_Message):
-    TYPE = MessageType.ENGINE_FINISHED
-    engine_id: Id
-    epoch: Epoch
-    id: Id
-    reason: Reason
-    usage: Usage
-    tokens_held: Count = 0  # KV kept for the session after this request, in tokens
-    bytes_held: Count = 0
-    message: Annotated[str, Field(max_length=MAX_ERROR_CHARS)] | None = None  # when reason=error
-
-
-class EngineAbort(_Message):
-    TYPE = MessageType.ENGINE_ABORT
-    ids: Ids
-
-
-class EngineSessionClose(_Message):
-    TYPE = MessageType.ENGINE_SESSION_CLOSE
-    session_ids: Ids
-
-
-class Heartbeat(_Message):
-    TYPE = MessageType.HEARTBEAT
-    engine_id: Id
-    epoch: Epoch
-    num_running: Count = 0
-    num_waiting: Count = 0
-    tokens_used: Count = 0
-    bytes_used: Count = 0
-
-
-class Reserve(_Message):
-    TYPE = MessageType.RESERVE
-    request_id: Id
-    tokens: Annotated[int, Field(ge=1)]  # prompt + capped max_tokens
-    lease_id: Id | None = None
-    session_id: Id | None = None
-    engine_id: Id | None = None  # a hint; a session is always placed on its own engine
-
-
-class Reserved(_Message):
-    TYPE = MessageType.RESERVED
-    request_id: Id
-    resv_id: Id
-    engine_id: Id
-    epoch: Epoch
-
-
-class Reconcile(_Message):
-    TYPE = MessageType.RECONCILE
-    resv_id: Id
-    tokens_observed: Count  # KV tokens this request added on its engine so far
-
-
-class Release(_Message):
-    TYPE = MessageType.RELEASE
-    resv_id: Id
-    keep_session_tokens: Count | None = None  # the session's whole KV after this turn
-
-
-class EngineDead(_Message):
-    TYPE = MessageType.ENGINE_DEAD
-    engine_id: Id
-    epoch: Epoch
-
-
-class Revoked(_Message):
-    """The controller dropped these requests and sessions; end them with `error {code}`."""
-
-    TYPE = MessageType.REVOKED
-    code: Code  # lease_expired, engine_failed, or cancelled (lease or session closed)
-    request_ids: Ids = []
-    session_ids: Ids = []
-
-
 Message = (
     Generate | Cancel | LeaseOpen | LeaseRenew | LeaseClose | SessionClose | Health | Stats
     | Token | Done | Error | Lease | LeaseClosed | SessionClosed | HealthOk | StatsReply
     | Hello | EngineGenerate | EngineTokens | EngineFinished | EngineAbort | EngineSessionClose
     | Heartbeat | Reserve | Reserved | Reconcile | Release | EngineDead | Revoked
 )  # fmt: skip
-MODELS: dict[MessageType, type[_Message]] = {cls.TYPE: cls for cls in Message.__args__}
+MODELS: dict[MessageType, type[WireMessage]] = {cls.TYPE: cls for cls in Message.__args__}
+T = MessageType
+# What each socket accepts (the `allowed` argument of `decode`).
 CLIENT_TYPES = frozenset(
-    {MessageType.GENERATE, MessageType.CANCEL, MessageType.LEASE_OPEN, MessageType.LEASE_RENEW,
-     MessageType.LEASE_CLOSE, MessageType.SESSION_CLOSE, MessageType.HEALTH, MessageType.STATS}
+    {T.GENERATE, T.CANCEL, T.LEASE_OPEN, T.LEASE_RENEW, T.LEASE_CLOSE, T.SESSION_CLOSE, T.HEALTH,
+     T.STATS}
 )  # fmt: skip
+CLIENT_REPLY_TYPES = frozenset(
+    {T.TOKEN, T.DONE, T.ERROR, T.LEASE, T.LEASE_CLOSED, T.SESSION_CLOSED, T.HEALTH_OK,
+     T.STATS_REPLY}
+)  # fmt: skip
+ENGINE_CMD_TYPES = frozenset({T.HELLO, T.HEARTBEAT})  # engines → gateway "engine-cmd"
+ENGINE_OUT_TYPES = frozenset({T.ENGINE_TOKENS, T.ENGINE_FINISHED})  # engines → gateway "engine-out"
+ENGINE_TYPES = frozenset({T.ENGINE_GENERATE, T.ENGINE_ABORT, T.ENGINE_SESSION_CLOSE, T.ENGINE_DEAD})
+CONTROLLER_TYPES = frozenset(
+    {T.HELLO, T.HEARTBEAT, T.RECONCILE, T.RESERVE, T.RELEASE, T.LEASE_OPEN, T.LEASE_RENEW,
+     T.LEASE_CLOSE, T.SESSION_CLOSE, T.STATS, T.ENGINE_DEAD}
+)  # fmt: skip
+FROM_CONTROLLER_TYPES = frozenset(
+    {T.RESERVED, T.ERROR, T.LEASE, T.LEASE_CLOSED, T.SESSION_CLOSED, T.STATS_REPLY, T.REVOKED,
+     T.ENGINE_DEAD}
+)  # fmt: skip
+del T
 
 
 def encode(msg: Message) -> bytes:
@@ -499,7 +354,7 @@ def _valid_id(value: object) -> str | None:
 
 def _model_for(
     name: object, allowed: frozenset[MessageType] | None, request_id: str | None
-) -> type[_Message]:
+) -> type[WireMessage]:
     if not isinstance(name, str) or name not in MODELS:
         raise ProtocolError(f"unknown message type {str(name)[:64]!r}", request_id)
     if allowed is not None and name not in allowed:

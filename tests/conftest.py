@@ -16,7 +16,7 @@ def default_model():
     return load_model("default")
 
 
-def make_tiny_llama(*, seed: int = 0, n_layers: int = 2, head_dim: int = 16, vocab: int = 128):
+def make_tiny_llama(*, seed: int = 0, n_layers: int = 2, head_dim: int = 64, vocab: int = 128):
     """A random-initialized llama (float32) small enough for exhaustive cache tests."""
     attention.install()
     from mlx_lm.models import llama

@@ -54,3 +54,23 @@ def test_inspect_layer_trace_json():
     assert report["max_context"] == 2048 and len(report["layers"]) == 30
     layer = report["layers"][0]
     assert layer["bytes_per_token"] == 2 * 3 * 64 * 4 and layer["ratio_to_raw"] == 1.0
+
+
+def test_environment_sets_and_flags_override(monkeypatch):
+    monkeypatch.setenv("BUTTERMILK_MAX_CONTEXT", "3")
+    proc = buttermilk("generate", "--model", "default", "--prompt", "The capital of France is", "--max-tokens", "2")
+    assert proc.returncode == 2 and "capped at 3 tokens" in proc.stderr
+    proc = buttermilk("generate", "--model", "default", "--prompt", "The capital of France is", "--max-tokens", "2",
+                      "--max-context", "64")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_max_context_above_advertised_is_refused():
+    proc = buttermilk("generate", "--model", "default", "--prompt", "hi", "--max-context", "100000")
+    assert proc.returncode == 2 and "100000" in proc.stderr and "8192" in proc.stderr
+
+
+def test_unknown_kv_cache_scheme_lists_choices():
+    proc = buttermilk("generate", "--model", "default", "--prompt", "hi", "--kv-cache", "zip9")
+    assert proc.returncode == 2 and "zip9" in proc.stderr and "aura4v4" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -261,7 +261,7 @@ def test_affine_layout_matches_mlx_and_reference_unpacking(bits, dtype):
         to_np(ours), expected, rtol=0, atol=np.max(UNIT_ROUNDOFF[dtype] * (np.abs(expected) + step))
     )
     np.testing.assert_array_equal(
-        unpack_bits(codes.packed, bits), ref.unpack_bits_ref(np.array(codes.packed), bits)
+        np.array(unpack_bits(codes.packed, bits)), ref.unpack_bits_ref(np.array(codes.packed), bits)
     )
 
 
@@ -314,7 +314,7 @@ def test_pack_layout_is_mx_quantize_layout(bits):
     rng = np.random.default_rng(bits)
     q = rng.integers(0, 2**bits, size=(4, 64))
     q[:, :2] = [0, 2**bits - 1]  # mx.quantize then maps q to (2**bits - 1 - q), exactly
-    packed, scales, biases = mx.quantize(mx.array(q.astype(np.float32)), group_size=64, bits=bits)
+    packed, scales, _ = mx.quantize(mx.array(q.astype(np.float32)), group_size=64, bits=bits)
     assert to_np(scales).ravel().tolist() == [-1.0] * 4
     np.testing.assert_array_equal(np.array(unpack_bits(packed, bits)), 2**bits - 1 - q)
 
@@ -502,3 +502,14 @@ def test_parse_aura_scheme(name, expected):
 def test_parse_aura_scheme_rejects(name):
     with pytest.raises(ValueError, match="aura"):
         parse_aura_scheme(name)
+
+
+def test_zero_tokens_round_trip_to_empty_arrays():
+    x = mx.zeros((1, 2, 0, 64), dtype=mx.float16)
+    rotation = RandomizedHadamard(64, seed=0)
+    codes = aura_encode(x, bits=3, rotation=rotation)
+    assert codes.packed.shape == (1, 2, 0, 6) and codes.scales.shape == (1, 2, 0, 1)
+    assert aura_decode(codes, bits=3, rotation=rotation, dtype=mx.float16).shape == x.shape
+    affine = affine_quantize(x, bits=4)
+    assert affine.packed.shape == (1, 2, 0, 8) and affine.scales.shape == (1, 2, 0, 2)
+    assert affine_dequantize(affine, bits=4, dtype=mx.float16).shape == x.shape

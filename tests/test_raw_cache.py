@@ -50,21 +50,21 @@ def test_logits_equal_mlx_lm_cache_on_chunked_prefill(tiny_llama):
 def test_storage_grows_in_steps_and_nbytes_counts_live_tokens(tiny_llama):
     cache = make_layer_caches(tiny_llama, CacheOptions(max_context=4096))[0]
     assert isinstance(cache, LayerCache)
-    k = mx.zeros((1, 2, 10, 16))
+    k = mx.zeros((1, 2, 10, 64))
     cache.update_and_fetch(k, k)
     assert cache.capacity == KVCache.step
-    # K and V, 2 heads x 16 dims x 4 bytes each, per token.
-    assert cache.nbytes == 10 * 2 * (2 * 16 * 4)
-    cache.update_and_fetch(mx.zeros((1, 2, 250, 16)), mx.zeros((1, 2, 250, 16)))
+    # K and V, 2 heads x 64 dims x 4 bytes each, per token.
+    assert cache.nbytes == 10 * 2 * (2 * 64 * 4)
+    cache.update_and_fetch(mx.zeros((1, 2, 250, 64)), mx.zeros((1, 2, 250, 64)))
     assert (cache.offset, cache.capacity) == (260, 2 * KVCache.step)
 
 
 def test_storage_never_passes_the_context_cap(tiny_llama):
     cache = make_layer_caches(tiny_llama, CacheOptions(max_context=300))[0]
-    cache.update_and_fetch(mx.zeros((1, 2, 290, 16)), mx.zeros((1, 2, 290, 16)))
+    cache.update_and_fetch(mx.zeros((1, 2, 290, 64)), mx.zeros((1, 2, 290, 64)))
     assert cache.capacity == 300
     with pytest.raises(ContextOverflow, match="301 tokens.*300"):
-        cache.update_and_fetch(mx.zeros((1, 2, 11, 16)), mx.zeros((1, 2, 11, 16)))
+        cache.update_and_fetch(mx.zeros((1, 2, 11, 64)), mx.zeros((1, 2, 11, 64)))
 
 
 def test_trim_forgets_tail_tokens(tiny_llama):

@@ -47,12 +47,21 @@ def test_window_equals_full_cache_with_explicit_mask_raw(default_model):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_window_equals_own_scheme_with_explicit_mask(tiny_llama, scheme):
+    """Each scheme windowed equals the same scheme on a full cache under the explicit rule.
+
+    Quantization is discontinuous: a 1-ulp difference in a key (the two runs sum in different
+    orders) can flip one rounding, so compressed schemes get a 0.02 bound on logits. A rule
+    off by a single position moves logits by more than 0.3 (checked below), far outside it.
+    """
     window = Window(32, 4)
     tokens = np.random.default_rng(1).integers(0, 128, 140)
     options = CacheOptions(scheme=scheme, max_context=4096, window=window)
     got, _ = windowed_logits(tiny_llama, tokens, options, prompt_len=100, chunk=48)
     want = masked_full_logits(tiny_llama, tokens, options, rule_mask(window, 140))
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    off_by_one = masked_full_logits(tiny_llama, tokens, options, rule_mask(Window(33, 4), 140))
+    bound = 1e-4 if scheme == "raw" else 0.02
+    assert np.abs(got - want).max() < bound
+    assert np.abs(got - off_by_one).max() > 0.3
 
 
 def test_prompt_longer_than_window_in_one_chunk(tiny_llama):
@@ -93,7 +102,7 @@ def test_rope_position_after_wrap_counts_every_token(tiny_llama):
     # The key handed to the cache is the un-roped key rotated at position 50.
     layer = tiny_llama.model.layers[0]
     x = layer.input_layernorm(tiny_llama.model.embed_tokens(mx.array([[7]])))
-    raw_k = layer.self_attn.k_proj(x).reshape(1, 1, 2, 16).transpose(0, 2, 1, 3)
+    raw_k = layer.self_attn.k_proj(x).reshape(1, 1, 2, 64).transpose(0, 2, 1, 3)
     np.testing.assert_allclose(np.array(seen[0]), np.array(layer.self_attn.rope(raw_k, offset=50)), atol=1e-5)
 
 
@@ -101,7 +110,7 @@ def test_overwritten_quantized_slot_holds_only_the_new_token(tiny_llama):
     """After a full wrap, every ring slot decodes to a token of the latest window, never a stale one."""
     caches = make_layer_caches(tiny_llama, CacheOptions(max_context=4096, window=Window(8, 2)))
     cache = caches[0]
-    keys = mx.array(np.random.default_rng(5).normal(size=(1, 2, 30, 16)).astype(np.float32))
+    keys = mx.array(np.random.default_rng(5).normal(size=(1, 2, 30, 64)).astype(np.float32))
     for i in range(30):
         cache.update_and_fetch(keys[:, :, i : i + 1], keys[:, :, i : i + 1])
     stored = np.array(cache.state[0])

@@ -13,116 +13,39 @@ A reservation's liability is `max(tokens_reserved, tokens_observed)`: it holds t
 the capped `max_tokens` until released, and grows only if the engine reports more KV than that.
 A session turn reserves only its new tokens; the KV kept from earlier turns stays counted as
 the session's `tokens_held`, and `release(..., keep_session_tokens=n)` replaces that hold with
-the engine's own count `n` of KV tokens it keeps for the session.
+the engine's own count `n` of KV tokens it keeps for the session. On an engine whose every
+layer keeps a sliding window of `w` tokens, a request's liability is capped at `w`.
+
+Engine liveness: HELLO and heartbeats refresh `last_seen`; with `engine_timeout_s` set,
+`expire(now)` declares an engine silent for that long dead, like `engine_dead`.
 """
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from shared.errors import BadRequest, LeaseExpired, Overloaded
 
+from .ledger_types import (
+    EngineRecord,
+    EngineRelease,
+    EngineReport,
+    EngineUsage,
+    HeldSession,
+    Lease,
+    LedgerStats,
+    Released,
+    Reservation,
+)
+
+__all__ = [
+    "EngineRelease", "EngineReport", "EngineUsage", "HeldSession", "Lease", "Ledger",
+    "LedgerStats", "Released", "Reservation",
+]  # fmt: skip
+
 DEFAULT_SESSION_IDLE_TTL_S = 300.0
 DEFAULT_RETRY_AFTER_MS = 250
-
-
-@dataclass(slots=True)
-class _Engine:
-    engine_id: str
-    epoch: int  # the live epoch; older epochs have no state here
-    capacity_tokens: int
-    bytes_per_token: int
-    reserved_tokens: int = 0  # sum of reservation liabilities
-    held_tokens: int = 0  # sum of session holds
-
-    @property
-    def free_tokens(self) -> int:
-        return max(0, self.capacity_tokens - self.reserved_tokens - self.held_tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    lease_id: str
-    ttl_s: float  # renewal extends expiry to now + ttl_s, seconds
-    expires_at: float  # monotonic seconds
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    resv_id: str
-    lease_id: str | None
-    session_id: str | None
-    request_id: str
-    engine_id: str
-    epoch: int
-    tokens_reserved: int  # prompt (new tokens only for a session turn) + capped max_tokens
-    tokens_observed: int = 0  # KV tokens the engine reports this request has added
-
-    @property
-    def liability_tokens(self) -> int:
-        return max(self.tokens_reserved, self.tokens_observed)
-
-
-@dataclass(frozen=True, slots=True)
-class HeldSession:
-    session_id: str
-    engine_id: str
-    epoch: int
-    lease_id: str | None  # the session ends with its lease; None: only idle expiry or close
-    tokens_held: int  # KV tokens kept on the engine between turns
-    idle_expires_at: float  # monotonic seconds; ignored while a turn is in flight
-    resv_id: str | None = None  # the turn in flight, if any
-
-
-@dataclass(slots=True)
-class EngineRelease:
-    epoch: int
-    resv_ids: list[str] = field(default_factory=list)
-    request_ids: list[str] = field(default_factory=list)  # abort these on the engine
-    session_ids: list[str] = field(default_factory=list)  # drop these sessions' KV
-
-
-@dataclass(slots=True)
-class Released:
-    """What a verb freed, per engine, so the service can tell engines and the gateway."""
-
-    engines: dict[str, EngineRelease] = field(default_factory=dict)
-    lease_ids: list[str] = field(default_factory=list)  # leases that ended
-
-    @property
-    def request_ids(self) -> list[str]:
-        return [rid for part in self.engines.values() for rid in part.request_ids]
-
-    @property
-    def session_ids(self) -> list[str]:
-        return [sid for part in self.engines.values() for sid in part.session_ids]
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.engines and not self.lease_ids
-
-    def _part(self, engine_id: str, epoch: int) -> EngineRelease:
-        return self.engines.setdefault(engine_id, EngineRelease(epoch=epoch))
-
-
-@dataclass(frozen=True, slots=True)
-class EngineUsage:
-    engine_id: str
-    epoch: int
-    capacity_tokens: int
-    reserved_tokens: int
-    held_tokens: int
-    free_tokens: int
-    bytes_per_token: int
-
-
-@dataclass(frozen=True, slots=True)
-class LedgerStats:
-    engines: list[EngineUsage]
-    num_reservations: int
-    num_leases: int
-    num_sessions: int
 
 
 class Ledger:
@@ -133,6 +56,11 @@ class Ledger:
             seconds after its last turn. Default: DEFAULT_SESSION_IDLE_TTL_S.
         retry_after_ms (int): hint sent with `Overloaded`; the ledger cannot know when
             capacity frees, so this is a fixed, configured value. Default: 250 ms.
+        engine_timeout_s (float | None): `expire` declares an engine dead after this many
+            seconds without a HELLO or heartbeat. None: never (only `engine_dead`).
+
+    Raises:
+        ValueError: a non-positive TTL or timeout, or a negative `retry_after_ms`.
     """
 
     def __init__(
@@ -140,12 +68,16 @@ class Ledger:
         *,
         session_idle_ttl_s: float = DEFAULT_SESSION_IDLE_TTL_S,
         retry_after_ms: int = DEFAULT_RETRY_AFTER_MS,
+        engine_timeout_s: float | None = None,
     ):
         if not session_idle_ttl_s > 0 or retry_after_ms < 0:
             raise ValueError("session_idle_ttl_s must be > 0 and retry_after_ms >= 0")
+        if engine_timeout_s is not None and not engine_timeout_s > 0:
+            raise ValueError(f"engine_timeout_s must be > 0, got {engine_timeout_s}")
         self._session_idle_ttl_s = session_idle_ttl_s
         self._retry_after_ms = retry_after_ms
-        self._engines: dict[str, _Engine] = {}
+        self._engine_timeout_s = engine_timeout_s
+        self._engines: dict[str, EngineRecord] = {}
         self._dead_epochs: dict[str, int] = {}  # engine_id -> highest epoch declared dead
         self._leases: dict[str, Lease] = {}
         self._reservations: dict[str, Reservation] = {}
@@ -155,28 +87,68 @@ class Ledger:
     # ---- engines ------------------------------------------------------------------------
 
     def register_engine(
-        self, engine_id: str, epoch: int, capacity_tokens: int, bytes_per_token: int
+        self,
+        engine_id: str,
+        epoch: int,
+        capacity_tokens: int,
+        bytes_per_token: int,
+        *,
+        window_tokens: int | None = None,
+        now: float = 0.0,
+        report: EngineReport | None = None,
     ) -> Released:
         """Add an engine, or replace an older epoch of it (dropping and returning all its state).
 
-        A repeated HELLO of the live epoch only updates the geometry.
+        A repeated HELLO of the live epoch only updates the geometry and `last_seen`.
+
+        Args:
+            engine_id (str), epoch (int): the engine and its restart count.
+            capacity_tokens (int): KV tokens its cache holds, all slots together.
+            bytes_per_token (int): bytes one KV token costs, all layers.
+            window_tokens (int | None): sliding window on every layer, tokens; caps liability.
+            now (float): monotonic seconds; starts the liveness timer.
+            report (EngineReport | None): pid and slots, for stats.
 
         Raises:
-            BadRequest: non-positive capacity, negative bytes, or an epoch not newer than one
-                already declared dead or live.
+            BadRequest: non-positive capacity or window, negative bytes, or an epoch not newer
+                than one already declared dead or live.
         """
         if capacity_tokens < 1 or bytes_per_token < 0 or epoch < 0:
             raise BadRequest("engine geometry needs capacity_tokens >= 1, bytes_per_token >= 0")
-        live = self._engines.get(engine_id)
-        dead = self._dead_epochs.get(engine_id)
-        if (dead is not None and epoch <= dead) or (live is not None and epoch < live.epoch):
+        if window_tokens is not None and window_tokens < 1:
+            raise BadRequest(f"window_tokens must be >= 1, got {window_tokens}")
+        if self.is_stale(engine_id, epoch):
             raise BadRequest(f"engine {engine_id} epoch {epoch} is stale")
+        live = self._engines.get(engine_id)
         if live and live.epoch == epoch:
             live.capacity_tokens, live.bytes_per_token = capacity_tokens, bytes_per_token
+            live.window_tokens, live.last_seen = window_tokens, now
+            live.report = report or live.report
             return Released()
         released = self.engine_dead(engine_id, live.epoch) if live else Released()
-        self._engines[engine_id] = _Engine(engine_id, epoch, capacity_tokens, bytes_per_token)
+        self._engines[engine_id] = EngineRecord(
+            engine_id, epoch, capacity_tokens, bytes_per_token, window_tokens=window_tokens,
+            last_seen=now, report=report or EngineReport(),
+        )  # fmt: skip
         return released
+
+    def heartbeat(
+        self, engine_id: str, epoch: int, now: float, report: EngineReport | None = None
+    ) -> bool:
+        """Refresh a live engine's `last_seen` (and its report); False if not live at `epoch`."""
+        live = self._engines.get(engine_id)
+        if live is None or live.epoch != epoch:
+            return False
+        live.last_seen = now
+        if report is not None:
+            live.report = replace(report, pid=report.pid or live.report.pid)
+        return True
+
+    def is_stale(self, engine_id: str, epoch: int) -> bool:
+        """Whether `epoch` was declared dead or is older than the live epoch (it must restart)."""
+        live = self._engines.get(engine_id)
+        dead = self._dead_epochs.get(engine_id)
+        return (dead is not None and epoch <= dead) or (live is not None and epoch < live.epoch)
 
     def engine_dead(self, engine_id: str, epoch: int) -> Released:
         """Drop every reservation and session of that engine's live epoch if it is <= `epoch`.
@@ -189,6 +161,7 @@ class Ledger:
         released = Released()
         if live is None or live.epoch > epoch:
             return released
+        released.part(engine_id, live.epoch).engine_dead = True
         for resv in [r for r in self._reservations.values() if r.engine_id == engine_id]:
             self._drop_reservation(resv, released)
         for sess in [s for s in self._sessions.values() if s.engine_id == engine_id]:
@@ -224,8 +197,16 @@ class Ledger:
         return released
 
     def expire(self, now: float) -> Released:
-        """End leases past expiry (with their items) and idle sessions past their TTL."""
+        """End silent engines, leases past expiry (with their items) and idle sessions.
+
+        Engines silent for `engine_timeout_s` go first, so their items are reported in parts
+        marked `engine_dead`.
+        """
         released = Released()
+        if self._engine_timeout_s is not None:
+            deadline = now - self._engine_timeout_s
+            for engine in [e for e in self._engines.values() if e.last_seen <= deadline]:
+                self._merge(released, self.engine_dead(engine.engine_id, engine.epoch))
         for lease in [x for x in self._leases.values() if x.expires_at <= now]:
             self._end_lease(lease.lease_id, released)
         for sess in list(self._sessions.values()):
@@ -252,9 +233,12 @@ class Ledger:
         now: float,
         lease_id: str | None = None,
         session_id: str | None = None,
+        new_session: bool | None = None,
         engine_id: str | None = None,
     ) -> Reservation:
         """Hold `tokens` of KV capacity on the live engine with the most free tokens.
+
+        A reservation under a lease renews it, like `renew`.
 
         Args:
             request_id (str): the gateway's request id, returned in `Released.request_ids`.
@@ -262,6 +246,8 @@ class Ledger:
             now (float): monotonic seconds.
             lease_id (str | None): the client's lease; the reservation ends with it.
             session_id (str | None): a known session pins the engine; an unknown one is created.
+            new_session (bool | None): True: `session_id` must not be live; False: it must be
+                live; None: either.
             engine_id (str | None): preferred engine, used when the request fits there.
 
         Returns:
@@ -269,19 +255,23 @@ class Ledger:
 
         Raises:
             LeaseExpired: `lease_id` is unknown or expired.
-            BadRequest: tokens < 1, the session has a turn in flight or another lease, or the
-                request can never fit any candidate engine's capacity.
+            BadRequest: tokens < 1, the session has a turn in flight or another lease, is live
+                but `new_session` is True or unknown but `new_session` is False, or the request
+                can never fit any candidate engine's capacity.
             Overloaded: no live engine, or it does not fit now (`retry_after_ms` set).
         """
         if tokens < 1:
             raise BadRequest(f"a reservation needs at least 1 token, got {tokens}")
         if lease_id is not None:
             self._live_lease(lease_id, now)
-        session = self._usable_session(session_id, lease_id)
+        session = self._usable_session(session_id, lease_id, new_session)
         self._check_can_ever_fit(tokens, session)
         engine = self._choose(tokens, engine_id, session)
         if engine is None:
             raise Overloaded(f"no engine has {tokens} free tokens now", self._retry_after_ms)
+        if lease_id is not None:
+            self.renew(lease_id, now)
+        tokens = engine.liability(tokens)
         self._next_resv += 1
         resv = Reservation(
             resv_id=f"resv-{self._next_resv}",
@@ -361,7 +351,13 @@ class Ledger:
 
     def stats(self) -> LedgerStats:
         """Per-engine token usage and counts of live items (a snapshot)."""
-        engines = [_usage(e) for e in sorted(self._engines.values(), key=lambda e: e.engine_id)]
+        engines = [
+            EngineUsage(
+                e.engine_id, e.epoch, e.capacity_tokens, e.reserved_tokens, e.held_tokens,
+                e.free_tokens, e.bytes_per_token, e.report,
+            )
+            for e in sorted(self._engines.values(), key=lambda e: e.engine_id)
+        ]  # fmt: skip
         return LedgerStats(engines, len(self._reservations), len(self._leases), len(self._sessions))
 
     def check_invariants(self) -> None:
@@ -393,8 +389,14 @@ class Ledger:
             raise LeaseExpired(f"lease {lease_id} is unknown or expired")
         return lease
 
-    def _usable_session(self, session_id: str | None, lease_id: str | None) -> HeldSession | None:
+    def _usable_session(
+        self, session_id: str | None, lease_id: str | None, new_session: bool | None
+    ) -> HeldSession | None:
         session = self._sessions.get(session_id) if session_id else None
+        if session_id is not None and new_session is True and session is not None:
+            raise BadRequest(f"session {session_id} is already live")
+        if session_id is not None and new_session is False and session is None:
+            raise BadRequest(f"session {session_id} is unknown or ended; start it again")
         if session is not None and session.resv_id is not None:
             raise BadRequest(f"session {session_id} already has a request in flight")
         if session is not None and session.lease_id != lease_id:
@@ -404,7 +406,7 @@ class Ledger:
     def _check_can_ever_fit(self, tokens: int, session: HeldSession | None) -> None:
         if session is not None:
             engine = self._engines[session.engine_id]
-            if session.tokens_held + tokens > engine.capacity_tokens:
+            if session.tokens_held + engine.liability(tokens) > engine.capacity_tokens:
                 raise BadRequest(
                     f"session {session.session_id} would need {session.tokens_held + tokens} "
                     f"tokens but engine {engine.engine_id} holds {engine.capacity_tokens}"
@@ -412,20 +414,20 @@ class Ledger:
             return
         if not self._engines:
             raise Overloaded("no live engine", self._retry_after_ms)
-        largest = max(e.capacity_tokens for e in self._engines.values())
-        if tokens > largest:
+        if not any(e.liability(tokens) <= e.capacity_tokens for e in self._engines.values()):
+            largest = max(e.capacity_tokens for e in self._engines.values())
             raise BadRequest(
                 f"request needs {tokens} tokens but the largest engine holds {largest}"
             )
 
     def _choose(
         self, tokens: int, engine_id: str | None, session: HeldSession | None
-    ) -> _Engine | None:
+    ) -> EngineRecord | None:
         if session is not None:
             candidates = [self._engines[session.engine_id]]
         else:
             candidates = list(self._engines.values())
-        fitting = [e for e in candidates if e.free_tokens >= tokens]
+        fitting = [e for e in candidates if e.free_tokens >= e.liability(tokens)]
         preferred = [e for e in fitting if e.engine_id == engine_id]
         if preferred or not fitting:
             return preferred[0] if preferred else None
@@ -452,6 +454,11 @@ class Ledger:
             session, tokens_held=tokens_held, resv_id=None, idle_expires_at=idle_expires_at
         )
 
+    @staticmethod
+    def _merge(into: Released, other: Released) -> None:
+        into.engines.update(other.engines)
+        into.lease_ids.extend(other.lease_ids)
+
     def _end_lease(self, lease_id: str, released: Released) -> None:
         for resv in [r for r in self._reservations.values() if r.lease_id == lease_id]:
             self._drop_reservation(resv, released)
@@ -463,7 +470,7 @@ class Ledger:
     def _drop_reservation(self, resv: Reservation, released: Released) -> None:
         del self._reservations[resv.resv_id]
         self._engines[resv.engine_id].reserved_tokens -= resv.liability_tokens
-        part = released._part(resv.engine_id, resv.epoch)
+        part = released.part(resv.engine_id, resv.epoch)
         part.resv_ids.append(resv.resv_id)
         part.request_ids.append(resv.request_id)
         session = self._sessions.get(resv.session_id) if resv.session_id else None
@@ -473,16 +480,4 @@ class Ledger:
     def _drop_session(self, session: HeldSession, released: Released) -> None:
         del self._sessions[session.session_id]
         self._engines[session.engine_id].held_tokens -= session.tokens_held
-        released._part(session.engine_id, session.epoch).session_ids.append(session.session_id)
-
-
-def _usage(engine: _Engine) -> EngineUsage:
-    return EngineUsage(
-        engine_id=engine.engine_id,
-        epoch=engine.epoch,
-        capacity_tokens=engine.capacity_tokens,
-        reserved_tokens=engine.reserved_tokens,
-        held_tokens=engine.held_tokens,
-        free_tokens=engine.free_tokens,
-        bytes_per_token=engine.bytes_per_token,
-    )
+        released.part(session.engine_id, session.epoch).session_ids.append(session.session_id)

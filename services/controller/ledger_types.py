@@ -1,0 +1,128 @@
+"""Value types of the controller's ledger: what it holds and what its verbs return.
+
+`services.controller.ledger` re-exports these; the `Ledger` class is the only writer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReport:
+    """What an engine last said about itself (HELLO and heartbeats); for stats only."""
+
+    pid: int | None = None  # the engine's OS process id
+    max_slots: int = 0  # sequences it can hold at once
+    used_slots: int = 0  # slots held now, sessions between turns included
+    engine_tokens: int = 0  # KV tokens its cache holds now
+
+
+@dataclass(slots=True)
+class EngineRecord:
+    """One live engine epoch (mutable; owned by the ledger)."""
+
+    engine_id: str
+    epoch: int  # the live epoch; older epochs have no state here
+    capacity_tokens: int
+    bytes_per_token: int
+    window_tokens: int | None = None  # sliding window on every layer: most KV tokens kept
+    last_seen: float = 0.0  # monotonic seconds of its HELLO or latest heartbeat
+    report: EngineReport = field(default_factory=EngineReport)
+    reserved_tokens: int = 0  # sum of reservation liabilities
+    held_tokens: int = 0  # sum of session holds
+
+    @property
+    def free_tokens(self) -> int:
+        return max(0, self.capacity_tokens - self.reserved_tokens - self.held_tokens)
+
+    def liability(self, tokens: int) -> int:
+        """Tokens a request of `tokens` (prompt + max_tokens) can occupy here at most."""
+        return tokens if self.window_tokens is None else min(tokens, self.window_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: str
+    ttl_s: float  # renewal extends expiry to now + ttl_s, seconds
+    expires_at: float  # monotonic seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    resv_id: str
+    lease_id: str | None
+    session_id: str | None
+    request_id: str
+    engine_id: str
+    epoch: int
+    tokens_reserved: int  # prompt (new tokens only for a session turn) + capped max_tokens
+    tokens_observed: int = 0  # KV tokens the engine reports this request has added
+
+    @property
+    def liability_tokens(self) -> int:
+        return max(self.tokens_reserved, self.tokens_observed)
+
+
+@dataclass(frozen=True, slots=True)
+class HeldSession:
+    session_id: str
+    engine_id: str
+    epoch: int
+    lease_id: str | None  # the session ends with its lease; None: only idle expiry or close
+    tokens_held: int  # KV tokens kept on the engine between turns
+    idle_expires_at: float  # monotonic seconds; ignored while a turn is in flight
+    resv_id: str | None = None  # the turn in flight, if any
+
+
+@dataclass(slots=True)
+class EngineRelease:
+    epoch: int
+    resv_ids: list[str] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)  # abort these on the engine
+    session_ids: list[str] = field(default_factory=list)  # drop these sessions' KV
+    engine_dead: bool = False  # True: freed because this engine epoch died
+
+
+@dataclass(slots=True)
+class Released:
+    """What a verb freed, per engine, so the service can tell engines and the gateway."""
+
+    engines: dict[str, EngineRelease] = field(default_factory=dict)
+    lease_ids: list[str] = field(default_factory=list)  # leases that ended
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [rid for part in self.engines.values() for rid in part.request_ids]
+
+    @property
+    def session_ids(self) -> list[str]:
+        return [sid for part in self.engines.values() for sid in part.session_ids]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.engines and not self.lease_ids
+
+    def part(self, engine_id: str, epoch: int) -> EngineRelease:
+        """The entry of one engine epoch, created empty on first use."""
+        return self.engines.setdefault(engine_id, EngineRelease(epoch=epoch))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineUsage:
+    engine_id: str
+    epoch: int
+    capacity_tokens: int
+    reserved_tokens: int
+    held_tokens: int
+    free_tokens: int
+    bytes_per_token: int
+    report: EngineReport
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerStats:
+    engines: list[EngineUsage]
+    num_reservations: int
+    num_leases: int
+    num_sessions: int

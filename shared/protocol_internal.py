@@ -1,0 +1,170 @@
+"""Wire messages between buttermilk processes (engine, gateway, controller, supervisor).
+
+Clients never send these; the gateway's client socket rejects them. Same envelope and rules
+as the client messages (see `shared/protocol.py` and docs/protocol.md section 15).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from shared.protocol_base import (
+    MAX_LIST_ITEMS,
+    Code,
+    Count,
+    Epoch,
+    ErrorText,
+    Id,
+    Ids,
+    MaxTokens,
+    MessageType,
+    Pid,
+    PromptTokens,
+    Reason,
+    Seed,
+    Struct,
+    Temperature,
+    TokenId,
+    TopK,
+    TopP,
+    Usage,
+    WireMessage,
+)
+
+Positive = Annotated[int, Field(ge=1)]
+
+
+class Geometry(Struct):
+    slots: Positive  # sequences the engine can hold at once (sessions included)
+    capacity_tokens: Positive  # KV tokens the engine's cache can hold, all slots together
+    bytes_per_token: Count  # all layers, K and V, metadata included
+    kv_cache: Annotated[str, Field(min_length=1, max_length=32)]  # raw, affine8, aura4v2, ...
+    max_context: Positive  # tokens per sequence
+    window_tokens: Positive | None = None  # sliding window on every layer: most KV tokens kept
+
+
+class Hello(WireMessage):
+    TYPE = MessageType.HELLO
+    engine_id: Id
+    epoch: Epoch  # +1 on every restart of this engine
+    geometry: Geometry
+    model: Annotated[str, Field(max_length=1024)] | None = None
+    pid: Pid | None = None  # the engine's OS process id (operators, tests)
+
+
+class SamplingParams(Struct):
+    max_tokens: MaxTokens  # already capped by the gateway
+    temperature: Temperature = 0.0
+    top_p: TopP = 1.0
+    top_k: TopK | None = None
+    seed: Seed | None = None
+
+
+class EngineGenerate(WireMessage):
+    """Run a request on the engine chosen by the controller (stop strings stay at the gateway)."""
+
+    TYPE = MessageType.ENGINE_GENERATE
+    id: Id
+    resv_id: Id
+    epoch: Epoch  # the engine refuses it (engine_failed) when this is not its own epoch
+    token_ids: PromptTokens
+    sampling: SamplingParams
+    session_id: Id | None = None  # keep the KV after finishing; positions continue
+
+
+class TokenChunk(Struct):
+    id: Id
+    token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_LIST_ITEMS)]
+    index: Count  # position of token_ids[0] in the completion
+
+
+class EngineTokens(WireMessage):
+    TYPE = MessageType.ENGINE_TOKENS
+    engine_id: Id
+    epoch: Epoch
+    chunks: Annotated[list[TokenChunk], Field(max_length=MAX_LIST_ITEMS)]
+
+
+class EngineFinished(WireMessage):
+    """A request ended on the engine; its `engine_tokens` all came before this."""
+
+    TYPE = MessageType.ENGINE_FINISHED
+    engine_id: Id
+    epoch: Epoch
+    id: Id
+    reason: Reason
+    usage: Usage
+    tokens_held: Count | None = None  # the session's KV kept after this request; None: none kept
+    bytes_held: Count = 0
+    code: Code | None = None  # when reason=error: the error's stable code
+    message: ErrorText | None = None  # when reason=error
+
+
+class EngineAbort(WireMessage):
+    TYPE = MessageType.ENGINE_ABORT
+    ids: Ids
+
+
+class EngineSessionClose(WireMessage):
+    TYPE = MessageType.ENGINE_SESSION_CLOSE
+    session_ids: Ids
+
+
+class Heartbeat(WireMessage):
+    TYPE = MessageType.HEARTBEAT
+    engine_id: Id
+    epoch: Epoch
+    num_running: Count = 0  # requests not finished (waiting or running)
+    num_waiting: Count = 0
+    tokens_used: Count = 0  # KV tokens held, requests and sessions together
+    bytes_used: Count = 0
+    used_slots: Count = 0  # slots held, sessions between turns included
+    num_sessions: Count = 0  # sessions kept between turns
+
+
+class Reserve(WireMessage):
+    TYPE = MessageType.RESERVE
+    request_id: Id
+    tokens: Positive  # prompt (a session turn: its new tokens) + capped max_tokens
+    lease_id: Id | None = None
+    session_id: Id | None = None
+    new_session: bool | None = None  # True: must be new; False: must be live; None: either
+    engine_id: Id | None = None  # a hint; a session is always placed on its own engine
+
+
+class Reserved(WireMessage):
+    TYPE = MessageType.RESERVED
+    request_id: Id
+    resv_id: Id
+    engine_id: Id
+    epoch: Epoch
+
+
+class Reconcile(WireMessage):
+    TYPE = MessageType.RECONCILE
+    resv_id: Id
+    tokens_observed: Count  # KV tokens this request added on its engine so far
+
+
+class Release(WireMessage):
+    TYPE = MessageType.RELEASE
+    resv_id: Id
+    keep_session_tokens: Count | None = None  # the session's whole KV after this turn
+
+
+class EngineDead(WireMessage):
+    TYPE = MessageType.ENGINE_DEAD
+    engine_id: Id
+    epoch: Epoch
+
+
+class Revoked(WireMessage):
+    """The controller dropped these requests and sessions; end them with `error {code}`."""
+
+    TYPE = MessageType.REVOKED
+    code: Code  # lease_expired, engine_failed, or cancelled (lease or session closed, idle)
+    request_ids: Ids = []
+    session_ids: Ids = []
+    lease_ids: Ids = []  # leases that ended: fail their queued requests too
