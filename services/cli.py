@@ -14,6 +14,12 @@ COMMANDS = {
     "generate": "generate",
     "inspect": "inspect",
     "convert-gguf": "convert",
+    "eval-kv": "eval_kv",
+    "serve": "serve",
+    "gateway": "gateway",
+    "engine": "engine",
+    "controller": "controller",
+    "client": "client",
 }
 
 

@@ -61,6 +61,7 @@ from shared.protocol_base import (  # re-exported: this module is the one to imp
     WireMessage,
 )
 from shared.protocol_internal import (
+    GATEWAY_ROUTING_ID,
     EngineAbort,
     EngineDead,
     EngineFinished,
@@ -266,7 +267,9 @@ CLIENT_REPLY_TYPES = frozenset(
 )  # fmt: skip
 ENGINE_CMD_TYPES = frozenset({T.HELLO, T.HEARTBEAT})  # engines → gateway "engine-cmd"
 ENGINE_OUT_TYPES = frozenset({T.ENGINE_TOKENS, T.ENGINE_FINISHED})  # engines → gateway "engine-out"
-ENGINE_TYPES = frozenset({T.ENGINE_GENERATE, T.ENGINE_ABORT, T.ENGINE_SESSION_CLOSE, T.ENGINE_DEAD})
+ENGINE_TYPES = frozenset(  # what engines accept from the gateway and the controller
+    {T.ENGINE_GENERATE, T.ENGINE_ABORT, T.ENGINE_SESSION_CLOSE, T.ENGINE_DEAD, T.ERROR}
+)
 CONTROLLER_TYPES = frozenset(
     {T.HELLO, T.HEARTBEAT, T.RECONCILE, T.RESERVE, T.RELEASE, T.LEASE_OPEN, T.LEASE_RENEW,
      T.LEASE_CLOSE, T.SESSION_CLOSE, T.STATS, T.ENGINE_DEAD}

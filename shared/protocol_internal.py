@@ -34,6 +34,7 @@ from shared.protocol_base import (
 )
 
 Positive = Annotated[int, Field(ge=1)]
+GATEWAY_ROUTING_ID = b"gateway"  # ZeroMQ routing id of the gateway's DEALER to the controller
 
 
 class Geometry(Struct):
@@ -100,6 +101,7 @@ class EngineFinished(WireMessage):
     bytes_held: Count = 0
     code: Code | None = None  # when reason=error: the error's stable code
     message: ErrorText | None = None  # when reason=error
+    refused: bool = False  # reason=error before the request ran: the session is unchanged
 
 
 class EngineAbort(WireMessage):

@@ -11,6 +11,8 @@ import mlx.nn as nn
 
 from shared.errors import ContextOverflow
 
+from shared.detok import IncrementalDetokenizer
+
 from .sampling import RequestSampler, SamplingParams
 from .stops import StopMatcher
 
@@ -98,7 +100,7 @@ def generate(
     stats = stats if stats is not None else GenerationStats()
     max_tokens = cap_max_tokens(len(token_ids), params.max_tokens, max_context)
     sampler, stops = RequestSampler(params), StopMatcher(params.stop)
-    detok, eos = tokenizer.detokenizer, set(tokenizer.eos_token_ids)
+    detok, eos = IncrementalDetokenizer(tokenizer, token_ids), set(tokenizer.eos_token_ids)
     stats.prompt_tokens = len(token_ids)
     t0 = time.perf_counter()
     y = sampler(prefill(model, caches, token_ids, chunk=prefill_chunk))
@@ -116,8 +118,7 @@ def generate(
         if token in eos:
             stats.finish_reason = "stop"
             break
-        detok.add_token(token)
-        text = stops.feed(detok.last_segment)
+        text = stops.feed(detok.add(token))
         if text:
             yield text
         if stops.stopped:
@@ -129,8 +130,7 @@ def generate(
         stats.finish_reason = "length"
     stats.decode_s = time.perf_counter() - t1
     if not stops.stopped:
-        detok.finalize()
-        tail = stops.feed(detok.last_segment) + stops.flush()
+        tail = stops.feed(detok.flush()) + stops.flush()
         if tail:
             yield tail
     stats.kv_bytes = sum(c.nbytes for c in caches)

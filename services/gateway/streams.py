@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from services.engine.stops import StopMatcher
+from shared.detok import IncrementalDetokenizer
 from shared.protocol import SamplingParams
 
 
@@ -32,12 +33,13 @@ class TextStream:
     """Detokenizes a completion incrementally and cuts it at the first stop string.
 
     Args:
-        detokenizer: a fresh mlx-lm streaming detokenizer (`tokenizer.detokenizer`).
+        detokenizer (IncrementalDetokenizer): fresh for this completion (`shared/detok.py`),
+            seeded with the prompt's tail as in-process generation does.
         stops (tuple[str, ...]): stop strings; the output ends before the first one.
         eos_token_ids (frozenset[int]): tokens that end the completion and are not shown.
     """
 
-    def __init__(self, detokenizer, stops: tuple[str, ...], eos_token_ids: frozenset[int]):
+    def __init__(self, detokenizer: IncrementalDetokenizer, stops: tuple[str, ...], eos_token_ids: frozenset[int]):
         self._detok = detokenizer
         self._matcher = StopMatcher(stops)
         self._eos = eos_token_ids
@@ -65,8 +67,7 @@ class TextStream:
                 self.ended_by_eos = True
                 break
             shown.append(token)
-            self._detok.add_token(token)
-            parts.append(self._matcher.feed(self._detok.last_segment))
+            parts.append(self._matcher.feed(self._detok.add(token)))
         self.num_sent += len(shown)
         return Delta("".join(parts), shown, self.stopped)
 
@@ -74,8 +75,7 @@ class TextStream:
         """Flush the detokenizer and held-back text at the end (empty after a stop)."""
         if self.stopped:
             return ""
-        self._detok.finalize()
-        return self._matcher.feed(self._detok.last_segment) + self._matcher.flush()
+        return self._matcher.feed(self._detok.flush()) + self._matcher.flush()
 
 
 @dataclass(slots=True)

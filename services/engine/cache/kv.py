@@ -11,6 +11,7 @@ from shared.errors import ContextOverflow
 
 from .codecs import Fields, KVCodec
 from .protocol import AttendingCache
+from .quantized import Packed, affine_attention, attends_packed
 from .window import Window
 
 
@@ -97,8 +98,9 @@ class KVCache(AttendingCache):
             values (mx.array): [B, n_kv_heads, L, head_dim].
 
         Returns:
-            tuple[mx.array, mx.array]: keys and values [B, n_kv_heads, T, head_dim] in
-            the codecs' attention domain, ordered as `make_mask(L)` assumes.
+            tuple: keys and values [B, n_kv_heads, T, head_dim] in the codecs' attention
+            domain, ordered as `make_mask(L)` assumes; for a phase that attends on packed
+            codes (`quantized.attends_packed`), `Packed` handles of the stored fields instead.
 
         Raises:
             ContextOverflow: the sequence would pass `max_tokens` (full attention only).
@@ -110,15 +112,15 @@ class KVCache(AttendingCache):
         if self.window is None or start + num_new <= self.window.max_size:
             self._write(k_new, v_new, None, start)
             self.offset += num_new
-            return self._fetch(self.num_live)
+            return self._fetch(self.num_live, num_new)
         if num_new == 1:  # the slot it evicts is exactly the one that fell out of the window
             self._write(k_new, v_new, self.window.slot(np.array([start])), start)
             self.offset += 1
-            return self._fetch(self.window.max_size)
+            return self._fetch(self.window.max_size, 1)
         # A chunk that wraps: attend over old live slots plus the whole chunk, then keep the ring.
         new_k, new_v = self.key_codec.decode(k_new), self.value_codec.decode(v_new)
         if self.num_live:
-            old_k, old_v = self._fetch(self.num_live)
+            old_k, old_v = self._fetch(self.num_live, num_new)
             new_k, new_v = mx.concatenate([old_k, new_k], axis=2), mx.concatenate([old_v, new_v], axis=2)
         self._write_ring(k_new, v_new, start)
         self.offset += num_new
@@ -147,15 +149,23 @@ class KVCache(AttendingCache):
     def attend(self, queries, keys, values, *, scale: float, mask, sinks=None) -> mx.array:
         """Scaled dot-product attention over what `update_and_fetch` returned.
 
+        Decoded K/V go through `mx.fast` SDPA; `Packed` affine fields through
+        `affine_attention` (or are decoded first when the model has learned sinks).
+
         Args:
             queries (mx.array): [B, n_heads, L, head_dim] with RoPE applied.
-            keys, values (mx.array): [B, n_kv_heads, T, head_dim] in the codecs' domain.
+            keys, values: [B, n_kv_heads, T, head_dim] in the codecs' domain, or `Packed`.
             scale (float): Score scale, usually head_dim**-0.5.
             mask: `None`, `"causal"` or a boolean/additive array broadcastable to [B, n_heads, L, T].
 
         Returns:
             mx.array: [B, n_heads, L, head_dim] in the model's domain.
         """
+        if isinstance(keys, Packed):
+            if sinks is None:
+                return affine_attention(queries, keys.fields, values.fields, key_codec=self.key_codec,
+                                        value_codec=self.value_codec, scale=scale, mask=mask)
+            keys, values = self.key_codec.decode(keys.fields), self.value_codec.decode(values.fields)
         q = self.key_codec.rotate_query(queries)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
         return self.value_codec.unrotate_output(out)
@@ -195,11 +205,12 @@ class KVCache(AttendingCache):
 
     # -- storage ----------------------------------------------------------------
 
-    def _fetch(self, stop: int) -> tuple[mx.array, mx.array]:
-        return (
-            self.key_codec.decode(_slice(self._keys, stop)),
-            self.value_codec.decode(_slice(self._values, stop)),
-        )
+    def _fetch(self, stop: int, num_queries: int) -> tuple:
+        """The first `stop` slots as attention will read them for `num_queries` queries."""
+        keys, values = _slice(self._keys, stop), _slice(self._values, stop)
+        if attends_packed(self.key_codec, self.value_codec, num_queries):
+            return Packed(keys), Packed(values)
+        return self.key_codec.decode(keys), self.value_codec.decode(values)
 
     def _limit(self) -> int:
         return self.max_tokens if self.window is None else self.window.max_size

@@ -1,6 +1,36 @@
-"""Compressed codecs: affine (per-group scale + bias) and AURA (rotation + Lloyd-Max codebook)."""
+"""Compressed codecs: affine (per-group scale + bias) and AURA (rotation + Lloyd-Max codebook).
+
+Attention paths. `KVCache` hands attention either decoded K/V (then `mx.fast` SDPA) or,
+where `attends_packed` says so, the packed affine fields (then `affine_attention`, two
+`mx.quantized_matmul` calls as in mlx-lm's quantized SDPA). Measured on the CPU backend
+(2 cores, OpenBLAS, mlx 0.32.4) for one layer of the default model (9 query heads, 3 KV
+heads, head_dim 64, float32 queries, float16 scales), median ms per call:
+
+| phase (queries L) | T    | affine8 dequant+SDPA | affine8 packed | affine4 dequant+SDPA | affine4 packed |
+|-------------------|------|------|------|------|------|
+| decode (1)        | 512  | 0.55 | 0.48 | 0.81 | 0.39 |
+| decode (1)        | 2048 | 1.97 | 1.66 | 2.33 | 1.44 |
+| decode (1)        | 8192 | 16.1 | 6.7  | 11.2 | 5.7  |
+| prefill (512)     | 512  | 35.6 | 153  | 37.7 | 151  |
+| prefill (512)     | 2048 | 161  | 611  | 163  | 635  |
+| prefill (512)     | 8192 | 637  | 2448 | 639  | 2514 |
+
+So decode runs on the packed codes (no dequantized copy of the history is made at all) and
+prefill dequantizes the live slice once per layer and uses the BLAS-backed SDPA; packed
+attention loses from 4 queries up (`PACKED_MAX_QUERIES`). AURA keeps the rotated-domain
+dequantize + SDPA path in both phases: its codebook is not affine, so `quantized_matmul`
+does not apply, and on this backend the codebook gather (`mx.take`, ~5.5 ns per element)
+dominates: a decode step at T = 8192 costs ~31 ms per layer against ~3 ms raw, with or
+without folding the per-vector scales into scores and probabilities (measured, no gain).
+
+Source: CACHES.md "Bytes per token" and "AURA encode / decode"; mlx-lm
+`models/base.py::quantized_scaled_dot_product_attention`; TurboQuant (arXiv 2504.19874).
+"""
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -11,26 +41,45 @@ from kernels.rotation import RandomizedHadamard
 from .codecs import Fields
 
 AURA_SEED = 0x0A0A  # base of the per-layer rotation seeds; part of the stored format
+AFFINE_SCALE_DTYPE = mx.float16  # affine scales and biases, whatever the model dtype
+PACKED_MAX_QUERIES = 1  # most queries per call that attend on packed codes (see the table)
+AURA_SCALE_RULES = ("norm", "plain")
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """`mx.float16` -> `"float16"` (the spelling stored in codec meta)."""
+    return str(dtype).removeprefix("mlx.core.")
 
 
 class AffineCodec:
-    """`mx.quantize` layout: packed uint32 codes, per-group scale and bias in the model dtype.
+    """`mx.quantize` layout: packed uint32 codes and one float16 scale and bias per group.
+
+    Scales and biases are stored as float16 whatever the model dtype: against float32 they
+    save 0.5 bit per element at affine8/g64 and 1.0 at affine4/g32 (8.5 and 5.0 bits, as
+    CACHES.md counts), and on the default model they move mean KL(raw || scheme) by less
+    than the run-to-run noise (numbers in `services/eval/README.md`); bfloat16 would round
+    an 8-bit reconstruction by up to ~2.5 steps (see `kernels.affine`). Codes are chosen in
+    float32; the float16 rounding of scale and bias adds at most `2**-11 * (q|s| + |b|)`.
 
     Args:
-        bits (int): 8 or 4 (also 2, 3, 5, 6).
+        bits (int): Code width, 8 or 4 (also 2, 3, 5, 6).
         group_size (int): Elements per scale/bias group along head_dim (64 for 8 bits, 32 for 4).
-        dtype (mx.Dtype): Model dtype: scales, biases and decoded tensors use it.
+        dtype (mx.Dtype): Model dtype of decoded tensors.
+        scale_dtype (mx.Dtype): Storage dtype of scales and biases.
     """
 
-    def __init__(self, bits: int, group_size: int, dtype: mx.Dtype):
-        self.bits, self.group_size, self.dtype = bits, group_size, dtype
+    def __init__(self, bits: int, group_size: int, dtype: mx.Dtype, *, scale_dtype: mx.Dtype = AFFINE_SCALE_DTYPE):
+        self.bits, self.group_size, self.dtype, self.scale_dtype = bits, group_size, dtype, scale_dtype
         self.name = f"affine{bits}"
 
     def encode(self, x: mx.array) -> Fields:
-        return tuple(affine_quantize(x.astype(self.dtype), bits=self.bits, group_size=self.group_size))
+        """Fields of `x` [B, H, L, D]: packed uint32 [B, H, L, D*bits/32], scales and biases [B, H, L, D/group]."""
+        codes = affine_quantize(x.astype(mx.float32), bits=self.bits, group_size=self.group_size)
+        return codes.packed, codes.scales.astype(self.scale_dtype), codes.biases.astype(self.scale_dtype)
 
     def decode(self, fields: Fields) -> mx.array:
-        return affine_dequantize(AffineCodes(*fields), bits=self.bits, group_size=self.group_size, dtype=self.dtype)
+        """`scale * q + bias` [B, H, T, D] in the model dtype, formed in float32."""
+        return affine_dequantize(self._float32(fields), bits=self.bits, group_size=self.group_size, dtype=self.dtype)
 
     def rotate_query(self, queries: mx.array) -> mx.array:
         return queries
@@ -39,15 +88,20 @@ class AffineCodec:
         return out
 
     def bits_per_element(self, head_dim: int) -> float:
-        return bits_per_element(self.bits, self.group_size, scale_bits=8 * self.dtype.size)
+        return bits_per_element(self.bits, self.group_size, scale_bits=8 * self.scale_dtype.size)
 
     def meta(self) -> dict[str, str]:
         return {"codec": "affine", "bits": str(self.bits), "group_size": str(self.group_size),
-                "dtype": str(self.dtype).removeprefix("mlx.core.")}
+                "scale_dtype": dtype_name(self.scale_dtype), "dtype": dtype_name(self.dtype)}
+
+    @staticmethod
+    def _float32(fields: Fields) -> AffineCodes:
+        packed, scales, biases = fields
+        return AffineCodes(packed, scales.astype(mx.float32), biases.astype(mx.float32))
 
 
 class AuraCodec:
-    """AURA: seeded randomized Hadamard rotation, Lloyd-Max indices, one fp16 norm-corrected scale.
+    """AURA: seeded randomized Hadamard rotation, Lloyd-Max indices, one fp16 scale per vector.
 
     Keys and values are read back in the rotated domain (no inverse rotation per cached
     token); the query is rotated by the key rotation and the attention output un-rotated by
@@ -55,26 +109,38 @@ class AuraCodec:
 
     Args:
         bits (int): Index bits per coordinate, 2..8.
-        seed (int): Rotation seed (per layer and per K/V).
+        seed (int): Rotation seed (per layer and per K/V); part of the stored format.
         dtype (mx.Dtype): Model dtype of decoded tensors.
+        scale_rule (str): `"norm"`: `||x|| / ||c[idx]||` (reconstruction keeps the norm);
+            `"plain"`: `||x|| / sqrt(d)`. Stored in `meta`, since decode reads both the same way.
 
     Source: TurboQuant (arXiv 2504.19874) without QJL; CACHES.md "AURA encode / decode".
     """
 
-    def __init__(self, bits: int, seed: int, dtype: mx.Dtype):
-        self.bits, self.seed, self.dtype = bits, seed, dtype
+    def __init__(self, bits: int, seed: int, dtype: mx.Dtype, *, scale_rule: str = "norm"):
+        if scale_rule not in AURA_SCALE_RULES:
+            raise ValueError(f"AURA scale_rule must be one of {AURA_SCALE_RULES}, got {scale_rule!r}")
+        self.bits, self.seed, self.dtype, self.scale_rule = bits, seed, dtype, scale_rule
         self.name = f"aura{bits}"
         self._rotation: RandomizedHadamard | None = None
 
     def rotation(self, head_dim: int) -> RandomizedHadamard:
+        """The seeded rotation for vectors of `head_dim` (built once)."""
         if self._rotation is None or self._rotation.head_dim != head_dim:
             self._rotation = RandomizedHadamard(head_dim, self.seed)
         return self._rotation
 
     def encode(self, x: mx.array) -> Fields:
-        return tuple(aura_encode(x, bits=self.bits, rotation=self.rotation(x.shape[-1])))
+        """Fields of `x` [B, H, L, D]: packed uint32 [B, H, L, D*bits/32], float16 scales [B, H, L, 1]."""
+        packed, scales = aura_encode(x, bits=self.bits, rotation=self.rotation(x.shape[-1]))
+        if self.scale_rule == "plain":
+            x = x.astype(mx.float32)
+            norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
+            scales = (norm / math.sqrt(x.shape[-1])).astype(SCALE_DTYPE)
+        return packed, scales
 
     def decode(self, fields: Fields) -> mx.array:
+        """`scale * c[idx]` [B, H, T, D] in the rotated domain, model dtype."""
         return aura_decode_rotated(AuraCodes(*fields), bits=self.bits, dtype=self.dtype)
 
     def rotate_query(self, queries: mx.array) -> mx.array:
@@ -88,4 +154,71 @@ class AuraCodec:
 
     def meta(self) -> dict[str, str]:
         return {"codec": "aura", "bits": str(self.bits), "seed": str(self.seed),
-                "dtype": str(self.dtype).removeprefix("mlx.core.")}
+                "scale_rule": self.scale_rule, "dtype": dtype_name(self.dtype)}
+
+
+class Packed(NamedTuple):
+    """Encoded K or V fields [B, n_kv_heads, T, *] handed to attention without decoding."""
+
+    fields: Fields
+
+
+def attends_packed(key_codec, value_codec, num_queries: int) -> bool:
+    """Whether attention for `num_queries` queries should run on the packed codes (decode, affine)."""
+    return (num_queries <= PACKED_MAX_QUERIES
+            and isinstance(key_codec, AffineCodec) and isinstance(value_codec, AffineCodec))
+
+
+def affine_attention(
+    queries: mx.array, keys: Fields, values: Fields, *,
+    key_codec: AffineCodec, value_codec: AffineCodec, scale: float, mask,
+) -> mx.array:
+    """Scaled dot-product attention on affine codes with `mx.quantized_matmul` (no dequantized K/V).
+
+    Query heads are grouped onto their KV head by reshaping (GQA); scores are
+    `quantized_matmul(q * scale, K^T)`, masked, softmaxed in float32-precise mode, then
+    multiplied into V the same way. Computed in the promotion of the query and scale dtypes
+    (float32 on the CPU backend and for bf16 queries against fp16 scales).
+
+    Args:
+        queries: [B, n_heads, L, D], `n_heads` a multiple of `n_kv_heads`.
+        keys, values: `AffineCodec` fields [B, n_kv_heads, T, *].
+        key_codec, value_codec: The codecs that made them.
+        scale: Score scale, usually D**-0.5.
+        mask: `None`, `"causal"` (queries are the last L of the T positions), or a boolean
+            or additive array broadcastable to [B, n_heads, L, T] ([L, T] or [B, 1, L, T]).
+
+    Returns:
+        [B, n_heads, L, D] in the queries' dtype.
+
+    Source: mlx-lm `models/base.py::quantized_scaled_dot_product_attention`.
+    """
+    batch, n_heads, num_queries, head_dim = queries.shape
+    n_kv_heads = keys[0].shape[1]
+    compute = mx.result_type(queries.dtype, keys[1].dtype)
+    q = (queries.astype(compute) * scale).reshape(batch, n_kv_heads, n_heads // n_kv_heads, num_queries, head_dim)
+    k, v = _grouped(keys, compute), _grouped(values, compute)
+    scores = mx.quantized_matmul(q, *k, transpose=True, group_size=key_codec.group_size, bits=key_codec.bits)
+    probs = mx.softmax(_masked(scores, mask), axis=-1, precise=True)
+    out = mx.quantized_matmul(probs, *v, transpose=False, group_size=value_codec.group_size, bits=value_codec.bits)
+    return out.reshape(batch, n_heads, num_queries, head_dim).astype(queries.dtype)
+
+
+def _grouped(fields: Fields, dtype: mx.Dtype) -> Fields:
+    """[B, H, T, *] fields as [B, H, 1, T, *], scales and biases in `dtype`."""
+    packed, scales, biases = fields
+    return tuple(mx.expand_dims(f, 2) for f in (packed, scales.astype(dtype), biases.astype(dtype)))
+
+
+def _masked(scores: mx.array, mask) -> mx.array:
+    """Apply an attention mask to grouped scores [B, n_kv_heads, reps, L, T]."""
+    if mask is None:
+        return scores
+    num_queries, num_keys = scores.shape[-2:]
+    if isinstance(mask, str):
+        mask = mx.arange(num_keys - num_queries, num_keys)[:, None] >= mx.arange(num_keys)[None]
+    elif mask.ndim > 3:  # [B, 1, L, T] -> [B, 1, 1, L, T]
+        mask = mx.expand_dims(mask, -3)
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, scores, mx.finfo(scores.dtype).min)
+    return scores + mask

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .kv import KVCache
+from .schemes import scheme_name
 
 
 def geometry(loaded) -> dict:
@@ -26,13 +27,26 @@ def geometry(loaded) -> dict:
 
 
 def layer_report(layer: int, cache, model_dtype: mx.Dtype) -> dict:
-    """One layer's cache: kind, scheme, window, live tokens, field shapes, bytes (and per token)."""
+    """One layer's cache: kind, scheme, window, live tokens, field shapes and bytes.
+
+    For a `KVCache` holding tokens it adds `bytes_per_token` (bytes per live token, K and V,
+    every field and batch row: `nbytes / live_tokens`), `bits_per_element` (the same per K or
+    V element, metadata included) and `ratio_to_raw` (against a raw cache in `model_dtype`).
+
+    Args:
+        layer (int): Layer index.
+        cache: The layer's cache (not mutated).
+        model_dtype (mx.Dtype): The model dtype, which a raw cache stores.
+
+    Returns:
+        dict: One row; `nbytes` counts live tokens only, `capacity_nbytes` what is allocated.
+    """
     row = {"layer": layer, "kind": type(cache).__name__, "nbytes": cache.nbytes}
     if not isinstance(cache, KVCache):
         return row
     fields = [] if cache.empty() else [*cache._keys, *cache._values]
     row |= {
-        "scheme": cache.key_codec.name if cache.key_codec.name == cache.value_codec.name else f"{cache.key_codec.name}/{cache.value_codec.name}",
+        "scheme": scheme_name(cache.key_codec, cache.value_codec),
         "window": None if cache.window is None else [cache.window.max_size, cache.window.keep],
         "live_tokens": cache.num_live,
         "offset": cache.offset,
@@ -41,12 +55,36 @@ def layer_report(layer: int, cache, model_dtype: mx.Dtype) -> dict:
         "fields": [{"shape": list(f.shape), "dtype": str(f.dtype).removeprefix("mlx.core.")} for f in fields],
     }
     if cache.num_live and fields:
+        batch, n_kv_heads = fields[0].shape[:2]
+        elements_per_token = 2 * batch * n_kv_heads * _head_dim(cache)  # K and V
         per_token = cache.nbytes / cache.num_live
-        k = cache._keys[0]
-        raw_per_token = 2 * k.shape[0] * k.shape[1] * _head_dim(cache) * model_dtype.size
-        row |= {"bytes_per_token": round(per_token, 2), "ratio_to_raw": round(per_token / raw_per_token, 4)}
+        row |= {
+            "bytes_per_token": round(per_token, 2),
+            "bits_per_element": round(8 * per_token / elements_per_token, 4),
+            "ratio_to_raw": round(per_token / (elements_per_token * model_dtype.size), 4),
+        }
     return row
 
 
+def bits_per_element(caches: list) -> float:
+    """Stored bits per cached K or V element over every `KVCache` layer, metadata included.
+
+    Args:
+        caches (list): Per-layer caches holding tokens (other cache kinds are skipped).
+
+    Returns:
+        float: `8 * sum(nbytes) / sum(2 * B * n_kv_heads * head_dim * live_tokens)`.
+
+    Raises:
+        ValueError: no `KVCache` layer holds a token.
+    """
+    held = [c for c in caches if isinstance(c, KVCache) and c.num_live]
+    if not held:
+        raise ValueError("no KV cache layer holds a token")
+    elements = sum(2 * c._keys[0].shape[0] * c._keys[0].shape[1] * _head_dim(c) * c.num_live for c in held)
+    return 8.0 * sum(c.nbytes for c in held) / elements
+
+
 def _head_dim(cache: KVCache) -> int:
+    """head_dim, read off one decoded token (the packed fields do not show it directly)."""
     return int(cache.key_codec.decode(tuple(f[:, :, :1] for f in cache._keys)).shape[-1])

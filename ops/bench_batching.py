@@ -1,0 +1,222 @@
+"""Aggregate decode throughput of our continuous batching against mlx-lm's `BatchGenerator`.
+
+Both run in one process on the same model, alternating per batch size, with the same
+prompts (random token ids of different lengths) and no EOS, so every stream generates
+exactly `--max-tokens` tokens. Throughput counts the tokens generated after every stream
+of the batch has its first token, over the time that took (prefill excluded).
+
+    python -m ops.bench_batching                          # CPU, the default model
+    python -m ops.bench_batching --random-model llama-1b  # GPU, a Llama-3.2-1B-shaped model, bf16
+
+Prints JSON and writes it to `ops/results/batching_<device>.json` (not a test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import BatchGenerator
+
+from services.engine.cache import CacheOptions
+from services.engine.core import EngineCore
+from services.engine.model.loader import LoadedModel, load_model
+from services.engine.request import Request
+from services.engine.sampling import SamplingParams
+
+RESULTS = Path(__file__).parent / "results"
+# Llama-3.2-1B's shape (config.json of meta-llama/Llama-3.2-1B), random weights.
+RANDOM_MODELS = {
+    "llama-1b": dict(
+        model_type="llama", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+        vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True, max_position_embeddings=131072,
+    ),
+}
+
+
+def random_model(name: str, dtype: str) -> LoadedModel:
+    """A random-initialized model of a real shape (no tokenizer: no EOS)."""
+    from mlx_lm.models import llama
+
+    from services.engine import attention
+
+    attention.install()
+    config = RANDOM_MODELS[name]
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs(**config))
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    return LoadedModel(model=model, tokenizer=SimpleNamespace(eos_token_ids=set()), path=Path(name), config=config)
+
+
+def prompts_for(batch: int, vocab: int, seed: int) -> list[list[int]]:
+    """`batch` prompts of 8..24 random token ids (different lengths)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, int(rng.integers(8, 25))).tolist() for _ in range(batch)]
+
+
+def decode_rate(events: list[tuple[float, int]], num_streams: int) -> float:
+    """Tokens per second after every stream has its first token; `events` = (time, stream)."""
+    seen, start = set(), None
+    for i, (t, stream) in enumerate(events):
+        seen.add(stream)
+        if len(seen) == num_streams:
+            start = i
+            break
+    rest = events[start + 1 :]
+    return len(rest) / (rest[-1][0] - events[start][0]) if rest else 0.0
+
+
+def run_ours(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, page_size: int) -> float:
+    longest = max(map(len, prompts)) + max_tokens
+    core = EngineCore(
+        loaded, CacheOptions(max_context=longest + 1), capacity_tokens=len(prompts) * (longest + page_size),
+        max_slots=max(len(prompts), 1), step_token_budget=max(512, len(prompts)), page_size=page_size,
+    )
+    for i, prompt in enumerate(prompts):
+        core.add_request(Request(str(i), prompt, SamplingParams(max_tokens=max_tokens)))
+    events = []
+    while core.has_unfinished():
+        for out in core.step():
+            events += [(time.perf_counter(), int(out.request_id))] * len(out.new_token_ids)
+    return decode_rate(events, len(prompts))
+
+
+def run_mlx_lm(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> float:
+    gen = BatchGenerator(
+        loaded.model, max_tokens=max_tokens, completion_batch_size=len(prompts), prefill_batch_size=len(prompts)
+    )
+    gen.insert(prompts)
+    events = []
+    while responses := gen.next_generated():
+        now = time.perf_counter()
+        events += [(now, r.uid) for r in responses]
+    gen.close()
+    return decode_rate(events, len(prompts))
+
+
+def profile_decode(loaded: LoadedModel, batch: int, context: int, page_size: int, repeats: int = 5) -> dict:
+    """Time one decode step over `batch` rows of about `context` tokens: graph building, the whole step, and the K/V gathers."""
+    core = EngineCore(loaded, CacheOptions(max_context=context + 64), capacity_tokens=batch * (context + 64),
+                      max_slots=batch, step_token_budget=max(512, batch), page_size=page_size)
+    cache, model = core.cache, loaded.model
+    views = [cache.acquire() for _ in range(batch)]
+    for i, view in enumerate(views):  # rows of different lengths; their K/V stay zero (costs do not depend on it)
+        cache.batch([view], context - i % 8)
+    tokens = mx.zeros((batch, 1), mx.uint32)
+
+    def build():
+        forward = cache.batch(views, 1)
+        return forward, mx.argmax(model(tokens, cache=forward.layers)[:, -1], axis=-1)
+
+    build_s, step_s, gather_s = [], [], []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        forward, out = build()
+        t1 = time.perf_counter()
+        mx.eval(out, cache.arrays)
+        t2 = time.perf_counter()
+        group = forward.layers[0].group
+        gathered = [cache.read(layer, group) for layer in range(len(cache.layers))]
+        mx.eval(gathered)
+        build_s.append(t1 - t0), step_s.append(t2 - t0), gather_s.append(time.perf_counter() - t2)
+    # The first round warms up; the median of the rest counts.
+    median = lambda xs: sorted(xs[1:])[len(xs[1:]) // 2] * 1e3  # noqa: E731
+    return {"context": context, "build_ms": round(median(build_s), 3), "step_ms": round(median(step_s), 3),
+            "gather_ms_all_layers": round(median(gather_s), 3),
+            "gather_ms_per_layer": round(median(gather_s) / len(cache.layers), 4)}
+
+
+def step_breakdown(loaded: LoadedModel, batch: int, page_size: int, steps: int = 40) -> dict:
+    """Where the engine's decode step goes (ms per step): each phase timed by wrapping the engine's own calls."""
+    from services.engine import runner as runner_module
+
+    core = EngineCore(loaded, CacheOptions(max_context=4096), capacity_tokens=batch * (64 + steps + 2 * page_size),
+                      max_slots=batch, step_token_budget=max(512, batch), page_size=page_size)
+    for i, prompt in enumerate(prompts_for(batch, loaded.config.get("vocab_size", 32000), seed=1)):
+        core.add_request(Request(str(i), prompt, SamplingParams(max_tokens=steps + 8)))
+    for _ in range(4):  # past the prefills: every step is one decode forward
+        core.step()
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    core.scheduler.schedule = timed("schedule", core.scheduler.schedule)
+    core.runner._decode = timed("build_decode_graph", core.runner._decode)
+    core.runner.collect = timed("collect", core.runner.collect)
+    core.scheduler.update = timed("update", core.scheduler.update)
+    proxy = SimpleNamespace(**{k: getattr(mx, k) for k in dir(mx) if not k.startswith("__")})
+    proxy.synchronize, proxy.async_eval = timed("wait", mx.synchronize), timed("launch", mx.async_eval)
+    runner_module.mx = proxy
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        total = time.perf_counter() - t0
+    finally:
+        runner_module.mx = mx
+    result = {name: round(t / steps * 1e3, 3) for name, t in spent.items()}
+    result["other"] = round((total - sum(spent.values())) / steps * 1e3, 3)
+    return {"step_ms": round(total / steps * 1e3, 3)} | result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default", help="model spec for load_model (ignored with --random-model)")
+    parser.add_argument("--random-model", choices=sorted(RANDOM_MODELS), help="random weights of a real shape")
+    parser.add_argument("--dtype", default="bfloat16", help="dtype of the random model")
+    parser.add_argument("--batch-sizes", default="1,4,16,32")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per stream")
+    parser.add_argument("--repeats", type=int, default=2, help="alternating runs per batch size; the best counts")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--profile-context", type=int, default=256, help="tokens per row in the decode-step profile")
+    parser.add_argument("--out", type=Path, help="default: ops/results/batching_<device>.json")
+    args = parser.parse_args(argv)
+    loaded = random_model(args.random_model, args.dtype) if args.random_model else load_model(args.model)
+    loaded = dataclasses.replace(loaded, tokenizer=SimpleNamespace(eos_token_ids=set()))  # mlx-lm runs without EOS too
+    vocab = loaded.config.get("vocab_size", 32000)
+    rows = []
+    for batch in map(int, args.batch_sizes.split(",")):
+        prompts = prompts_for(batch, vocab, seed=batch)
+        run_ours(loaded, prompts[:1], 4, args.page_size)  # warm-up (kernels, allocator)
+        ours, theirs = [], []
+        for _ in range(args.repeats):
+            ours.append(run_ours(loaded, prompts, args.max_tokens, args.page_size))
+            theirs.append(run_mlx_lm(loaded, prompts, args.max_tokens))
+        rows.append({
+            "batch": batch, "ours_tok_s": round(max(ours), 2), "mlx_lm_tok_s": round(max(theirs), 2),
+            "ratio": round(max(ours) / max(theirs), 3), "ours_runs": [round(x, 2) for x in ours],
+            "mlx_lm_runs": [round(x, 2) for x in theirs],
+            "profile": profile_decode(loaded, batch, args.profile_context, args.page_size),
+            "breakdown": step_breakdown(loaded, batch, args.page_size),
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    device = mx.default_device().type.name if hasattr(mx.default_device().type, "name") else str(mx.default_device())
+    result = {
+        "device": device, "model": args.random_model or args.model, "dtype": str(loaded.dtype).removeprefix("mlx.core."),
+        "max_tokens": args.max_tokens, "prompt_tokens": "8..24 random ids", "page_size": args.page_size,
+        "mlx": mx.__version__, "results": rows,
+    }
+    out = args.out or RESULTS / f"batching_{device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""Benchmark KV-cache schemes: decode tokens/s and peak memory per context, attention paths, prefill memory.
+
+Modes (`--mode`):
+- `decode` (default): per scheme and context T, build the caches and fill them with T tokens
+  of random K/V of the model's shape (N(0, 1) in the model dtype, written through each
+  cache's own codec, `--fill-chunk` tokens at a time; a real 8192-token prefill takes minutes
+  on CPU, and a decode step's cost depends on T and the storage, not on the values), then
+  time `--steps` greedy decode steps of the real model after `--warmup` steps, pipelined as
+  `services.engine.generate` does. Peak memory runs from before the fill to the last step.
+- `attention`: one attention layer per scheme (default model geometry unless a model is
+  given), decode (1 query) and prefill (`--prefill-queries` queries) at each T: the decoded
+  path (dequantize + `mx.fast` SDPA) and, for affine, the packed path (`quantized_matmul`).
+- `prefill-memory`: a real chunked prefill of `--prefill-tokens` tokens (default 4096 in 512s)
+  per scheme, peak memory from `mx.reset_peak_memory()` to the end.
+
+Results go to stdout and `ops/results/bench_kv[_<mode>]_<device>.json`. No downloads:
+`--random-model llama-1b` builds a random-initialized Llama-3.2-1B-shaped model (bf16) on
+whatever `mx.default_device()` is.
+
+    python -m ops.bench_kv                                                  # CPU, default model, T = 512, 2048, 8192
+    python -m ops.bench_kv --random-model llama-1b --contexts 8192,32768   # GPU
+    python -m ops.bench_kv --mode attention
+    python -m ops.bench_kv --mode prefill-memory --schemes raw,affine4,aura4v4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from shared.blas import active_blas
+
+RESULTS = Path(__file__).parent / "results"
+DEFAULT_SCHEMES = "raw,affine8,affine4,aura8v8,aura8v4,aura5v3,aura4v4,aura4v2"
+# Llama-3.2-1B's shape (config.json of meta-llama/Llama-3.2-1B), random weights.
+LLAMA_1B = dict(
+    model_type="llama", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+    tie_word_embeddings=True, max_position_embeddings=131072,
+    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+)
+
+
+def random_llama_1b(dtype: mx.Dtype = mx.bfloat16):
+    """A random-initialized model of Llama-3.2-1B's shape in `dtype` (no files, no downloads)."""
+    from services.engine import attention
+
+    attention.install()  # before the model module binds mlx-lm's attention
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(LLAMA_1B))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def load(args) -> tuple[object, str]:
+    """The model to run and its name."""
+    if args.random_model == "llama-1b":
+        return random_llama_1b(), "random-llama-3.2-1b-shape"
+    from services.engine.model.loader import load_model
+
+    loaded = load_model(args.model)
+    return loaded.model, loaded.path.name
+
+
+def geometry(model) -> tuple[int, int, int]:
+    """(n_layers, n_kv_heads, head_dim) of an mlx-lm llama-style model."""
+    attn = model.layers[0].self_attn
+    return len(model.layers), attn.n_kv_heads, attn.k_proj.weight.shape[0] // attn.n_kv_heads
+
+
+def fill_random(caches: list, model, num_tokens: int, chunk: int) -> None:
+    """Write `num_tokens` tokens of N(0, 1) K/V into every layer's cache through its codec."""
+    from services.engine.cache import model_dtype
+
+    _, n_kv_heads, head_dim = geometry(model)
+    dtype = model_dtype(model)
+    for cache in caches:
+        for start in range(0, num_tokens, chunk):
+            shape = (1, n_kv_heads, min(chunk, num_tokens - start), head_dim)
+            cache.update_and_fetch(mx.random.normal(shape).astype(dtype), mx.random.normal(shape).astype(dtype))
+            mx.eval(cache.state)
+
+
+def time_decode(model, caches: list, *, steps: int, warmup: int) -> float:
+    """Seconds per decode step, pipelined (step n+1 is queued before token n is read)."""
+
+    def advance(token: mx.array) -> mx.array:
+        next_token = mx.argmax(model(token.reshape(1, 1), cache=caches)[0, -1])
+        mx.async_eval(next_token)
+        token.item()
+        return next_token
+
+    y = mx.array(1)
+    for _ in range(warmup):
+        y = advance(y)
+    start = time.perf_counter()
+    for _ in range(steps):
+        y = advance(y)
+    return (time.perf_counter() - start) / steps
+
+
+def decode_row(model, scheme: str, context: int, args) -> dict:
+    """Fill, time and measure one (scheme, context) pair."""
+    from services.engine.cache import CacheOptions, make_layer_caches
+
+    mx.clear_cache()
+    weights = mx.get_active_memory()
+    mx.reset_peak_memory()
+    options = CacheOptions(scheme=scheme, max_context=context + args.warmup + args.steps + 2)
+    caches = make_layer_caches(model, options)
+    fill_random(caches, model, context, args.fill_chunk)
+    kv_bytes = sum(c.nbytes for c in caches)
+    seconds = time_decode(model, caches, steps=args.steps, warmup=args.warmup)
+    peak = mx.get_peak_memory()
+    return {"scheme": scheme, "context_tokens": context, "decode_tokens_per_s": 1.0 / seconds,
+            "kv_nbytes_after_fill": kv_bytes, "kv_bytes_per_token": kv_bytes / context,
+            "peak_memory_bytes": peak, "peak_over_weights_bytes": peak - weights}
+
+
+def run_decode(model, args) -> list[dict]:
+    rows = []
+    for context in args.contexts:
+        for scheme in args.schemes:
+            rows.append(decode_row(model, scheme, context, args))
+            print(json.dumps(rows[-1]), flush=True)
+    raw = {r["context_tokens"]: r["decode_tokens_per_s"] for r in rows if r["scheme"] == "raw"}
+    for r in rows:
+        r["ratio_to_raw"] = r["decode_tokens_per_s"] / raw[r["context_tokens"]] if r["context_tokens"] in raw else None
+    return rows
+
+
+def median_ms(fn, repeats: int) -> float:
+    """Median wall time of `mx.eval(fn())` in milliseconds, after two warm-up calls."""
+    for _ in range(2):
+        mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def attention_row(model, scheme: str, context: int, num_queries: int, repeats: int) -> dict:
+    """Time the attention paths of one layer's cache holding `context` random tokens."""
+    from services.engine.cache import CacheOptions, make_layer_caches, model_dtype
+    from services.engine.cache.quantized import AffineCodec, affine_attention
+
+    cache = make_layer_caches(model, CacheOptions(scheme=scheme, max_context=context))[0]
+    fill_random([cache], model, context, 4096)
+    _, _, head_dim = geometry(model)
+    n_heads = model.layers[0].self_attn.n_heads
+    queries = mx.random.normal((1, n_heads, num_queries, head_dim)).astype(model_dtype(model))
+    mask = None if num_queries == 1 else "causal"
+    keys, values = cache._keys, cache._values
+    kc, vc, scale = cache.key_codec, cache.value_codec, head_dim**-0.5
+
+    def decoded():
+        out = mx.fast.scaled_dot_product_attention(kc.rotate_query(queries), kc.decode(keys), vc.decode(values),
+                                                   scale=scale, mask=mask)
+        return vc.unrotate_output(out)
+
+    row = {"scheme": scheme, "context_tokens": context, "queries": num_queries,
+           "decoded_sdpa_ms": median_ms(decoded, repeats)}
+    if isinstance(kc, AffineCodec):
+        row["packed_ms"] = median_ms(lambda: affine_attention(queries, keys, values, key_codec=kc, value_codec=vc,
+                                                              scale=scale, mask=mask), repeats)
+    return row
+
+
+def run_attention(model, args) -> list[dict]:
+    rows = []
+    for context in args.contexts:
+        for num_queries in (1, args.prefill_queries):
+            for scheme in args.schemes:
+                rows.append(attention_row(model, scheme, context, num_queries, 20 if num_queries == 1 else 5))
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def run_prefill_memory(model, args) -> list[dict]:
+    """Peak memory of a real chunked prefill (random token ids) per scheme."""
+    from services.engine.cache import CacheOptions, make_layer_caches
+    from services.engine.generate import prefill
+
+    ids = np.random.default_rng(0).integers(100, 20000, args.prefill_tokens).tolist()
+    rows = []
+    for scheme in args.schemes:
+        mx.clear_cache()
+        weights = mx.get_active_memory()
+        mx.reset_peak_memory()
+        caches = make_layer_caches(model, CacheOptions(scheme=scheme, max_context=args.prefill_tokens))
+        start = time.perf_counter()
+        mx.eval(prefill(model, caches, ids, chunk=args.prefill_chunk))
+        rows.append({"scheme": scheme, "prefill_tokens": args.prefill_tokens, "chunk": args.prefill_chunk,
+                     "seconds": time.perf_counter() - start, "kv_nbytes": sum(c.nbytes for c in caches),
+                     "peak_memory_bytes": mx.get_peak_memory(), "peak_over_weights_bytes": mx.get_peak_memory() - weights})
+        print(json.dumps(rows[-1]), flush=True)
+        del caches
+    return rows
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["decode", "attention", "prefill-memory"], default="decode")
+    parser.add_argument("--model", default="default", help="model to load (ignored with --random-model)")
+    parser.add_argument("--random-model", choices=["llama-1b"], help="random-initialized model of a known shape")
+    parser.add_argument("--schemes", default=DEFAULT_SCHEMES, type=lambda s: [x for x in s.split(",") if x])
+    parser.add_argument("--contexts", default="512,2048,8192", type=lambda s: [int(x) for x in s.split(",") if x])
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    parser.add_argument("--fill-chunk", type=int, default=1024, help="tokens of random K/V written per call")
+    parser.add_argument("--prefill-queries", type=int, default=512, help="queries of the prefill phase (attention mode)")
+    parser.add_argument("--prefill-tokens", type=int, default=4096)
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    model, name = load(args)
+    from services.engine.cache import model_dtype
+
+    run = {"decode": run_decode, "attention": run_attention, "prefill-memory": run_prefill_memory}[args.mode]
+    rows = run(model, args)
+    device = mx.default_device()
+    result = {
+        "benchmark": f"kv_{args.mode}", "device": str(device), "device_info": _jsonable(mx.device_info()),
+        "blas": active_blas(), "model": name, "dtype": str(model_dtype(model)).removeprefix("mlx.core."),
+        "fill": "random N(0,1) K/V through each codec" if args.mode == "decode" else None,
+        "steps": args.steps, "warmup": args.warmup, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": rows,
+    }
+    suffix = "" if args.mode == "decode" else f"_{args.mode.replace('-', '_')}"
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"bench_kv{suffix}_{device.type.name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+
+
+def _jsonable(info: dict) -> dict:
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in info.items()}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Run one engine: load the model on a device and serve continuous batches for the gateway.
+
+The engine connects to the gateway (engine-cmd, engine-out) and the controller, says HELLO
+with its geometry, heartbeats, and runs `EngineCore.step()` while it has work. Settings come
+from BUTTERMILK_* environment variables; flags override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from pydantic import Field
+
+from shared.errors import BadRequest
+from shared.settings import ModelSettings
+
+from .controller import DEFAULT_CONTROLLER_ADDRESS, add_settings_arguments, parse_settings
+from .gateway import DEFAULT_ENGINE_CMD_ADDRESS, DEFAULT_ENGINE_OUT_ADDRESS
+from .options import add_model_arguments
+
+
+class EngineSettings(ModelSettings):
+    engine_id: str = Field("e0", min_length=1, max_length=64, description="this engine's name")
+    epoch: int | None = Field(None, ge=0, description="restart count (default: wall-clock seconds, rising across restarts)")
+    device: str = Field("cpu", description="cpu or gpu:N")
+    capacity_tokens: int = Field(32768, ge=16, description="KV tokens the engine's cache holds, all slots together")
+    max_slots: int = Field(16, ge=1, description="sequences held at once (sessions included)")
+    step_token_budget: int = Field(512, ge=1, description="tokens computed per step (prefill chunks and decodes)")
+    page_size: int = Field(16, ge=1, description="tokens per KV page")
+    engine_cmd_address: str = Field(DEFAULT_ENGINE_CMD_ADDRESS, description="the gateway's engine-cmd ROUTER")
+    engine_out_address: str = Field(DEFAULT_ENGINE_OUT_ADDRESS, description="the gateway's engine-out PULL")
+    controller_address: str = Field(DEFAULT_CONTROLLER_ADDRESS, description="the controller's ROUTER")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_settings_arguments(parser, EngineSettings, skip=ModelSettings.model_fields)
+
+
+def select_device(spec: str) -> None:
+    """Make `spec` ("cpu" or "gpu:N") MLX's default device; call before loading the model.
+
+    Raises:
+        BadRequest: an unknown spec or a GPU index this machine lacks.
+    """
+    import mlx.core as mx
+
+    if spec == "cpu":
+        mx.set_default_device(mx.cpu)
+        return
+    kind, _, index = spec.partition(":")
+    if kind != "gpu" or not index.isdigit():
+        raise BadRequest(f"--device {spec!r}: expected cpu or gpu:N")
+    if not mx.is_available(mx.gpu) or int(index) >= mx.device_count(mx.gpu):
+        raise BadRequest(f"--device {spec!r}: no such GPU on this machine")
+    mx.set_default_device(mx.Device(mx.gpu, int(index)))
+
+
+def build_service(settings: EngineSettings):
+    """Load the model, build the `EngineCore` and wrap it in an `EngineService`.
+
+    Raises:
+        ModelNotFound, BadRequest: as `open_model` and `EngineCore` raise them.
+    """
+    from services.engine.core import EngineCore
+    from services.engine.runtime import open_model
+    from services.engine.service import EngineAddresses, EngineService
+    from shared.protocol import Geometry, Hello
+
+    loaded, options = open_model(settings)
+    core = EngineCore(
+        loaded, options, capacity_tokens=settings.capacity_tokens, max_slots=settings.max_slots,
+        step_token_budget=settings.step_token_budget, page_size=settings.page_size,
+    )  # fmt: skip
+    geo = core.geometry
+    # Admission counts tokens; the cache allocates pages, so each slot may waste a partial page.
+    slack = geo["max_slots"] * (geo["page_size"] - 1)
+    geometry = Geometry(
+        slots=geo["max_slots"], capacity_tokens=max(1, geo["capacity_tokens"] - slack),
+        bytes_per_token=geo["bytes_per_token"], kv_cache=str(geo["kv_cache"]),
+        max_context=geo["max_context"], window_tokens=geo.get("window_tokens"),
+    )  # fmt: skip
+    epoch = settings.epoch if settings.epoch is not None else int(time.time())
+    hello = Hello(engine_id=settings.engine_id, epoch=epoch, geometry=geometry,
+                  model=loaded.path.name, pid=os.getpid())  # fmt: skip
+    addresses = EngineAddresses(
+        gateway_cmd=settings.engine_cmd_address, gateway_out=settings.engine_out_address,
+        controller=settings.controller_address,
+    )  # fmt: skip
+    return EngineService(core, hello, addresses)
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.supervisor import die_with_parent, install_stop_handlers
+    from shared.logging import configure_logging
+
+    settings = parse_settings(EngineSettings, args)
+    configure_logging(json=settings.log_json, level=settings.log_level)
+    die_with_parent()
+    select_device(settings.device)
+    service = build_service(settings)
+    install_stop_handlers(service.stop)
+    return service.run()

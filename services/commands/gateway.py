@@ -1,0 +1,98 @@
+"""Run the gateway: clients' ROUTER socket, tokenizer and chat templates, queue, streaming.
+
+Loads only the tokenizer and config of `--model` (never the weights). Settings come from
+BUTTERMILK_* environment variables; flags override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pydantic import Field
+
+from shared.settings import ModelSettings
+
+from .controller import DEFAULT_CONTROLLER_ADDRESS, add_settings_arguments, parse_settings
+from .options import add_model_arguments
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+DEFAULT_ENGINE_CMD_ADDRESS = "tcp://127.0.0.1:5556"
+DEFAULT_ENGINE_OUT_ADDRESS = "tcp://127.0.0.1:5557"
+
+
+class GatewaySettings(ModelSettings):
+    address: str = Field(DEFAULT_ADDRESS, description="client ROUTER endpoint (tcp:// or ipc://)")
+    engine_cmd_address: str = Field(DEFAULT_ENGINE_CMD_ADDRESS, description="ROUTER endpoint engines connect to")
+    engine_out_address: str = Field(DEFAULT_ENGINE_OUT_ADDRESS, description="PULL endpoint engines push tokens to")
+    controller_address: str = Field(DEFAULT_CONTROLLER_ADDRESS, description="the controller's ROUTER endpoint")
+    max_active_sessions: int = Field(8, ge=1, description="requests generating at once")
+    max_queue: int = Field(64, ge=0, description="requests waiting in the FIFO queue")
+    queue_timeout_s: float = Field(60.0, gt=0, description="longest wait in the queue, seconds")
+    max_tokens_cap: int = Field(4096, ge=1, description="server cap on max_tokens")
+    engine_timeout_s: float = Field(5.0, gt=0, description="an engine silent this long is declared dead, seconds")
+    control_timeout_s: float = Field(5.0, gt=0, description="longest wait for the controller, seconds")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_settings_arguments(parser, GatewaySettings, skip=ModelSettings.model_fields)
+
+
+def build_core(settings: GatewaySettings):
+    """Load the tokenizer of `settings.model` and build a `GatewayCore` around it.
+
+    Raises:
+        ModelNotFound: the model spec names nothing usable.
+        BadRequest: `max_context` above the model's advertised context.
+    """
+    from mlx_lm.utils import load_config, load_tokenizer
+
+    from services.engine.model.loader import LoadedModel, resolve_dtype
+    from services.engine.model.paths import resolve_model
+    from services.engine.runtime import cache_options
+    from services.gateway.core import GatewayCore
+    from services.gateway.engines import EngineTable
+    from services.gateway.prompts import Prompter
+    from services.gateway.sessions import GenerationSessionPool
+    from shared.errors import ModelNotFound
+
+    path = resolve_model(settings.model, dtype=resolve_dtype(settings.dtype))
+    try:
+        config = load_config(path)
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except (OSError, ValueError) as exc:
+        raise ModelNotFound(f"could not load the tokenizer from {path}: {exc}") from exc
+    # A LoadedModel without weights: the same context rules as the engines.
+    options = cache_options(settings, LoadedModel(model=None, tokenizer=tokenizer, path=path, config=config))
+    text_config = config.get("text_config", config)
+    prompter = Prompter(
+        tokenizer, vocab_size=int(text_config.get("vocab_size") or len(tokenizer)), max_context=options.max_context,
+        max_tokens_cap=settings.max_tokens_cap,
+    )  # fmt: skip
+    pool = GenerationSessionPool(settings.max_active_sessions, settings.max_queue, settings.queue_timeout_s)
+    return GatewayCore(prompter, pool, EngineTable(settings.engine_timeout_s),
+                       control_timeout_s=settings.control_timeout_s)  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.gateway.service import GatewayAddresses, GatewayService
+    from services.supervisor import die_with_parent, install_stop_handlers
+    from shared.logging import configure_logging
+
+    settings = parse_settings(GatewaySettings, args)
+    configure_logging(json=settings.log_json, level=settings.log_level)
+    die_with_parent()
+    addresses = GatewayAddresses(
+        client=settings.address, engine_cmd=settings.engine_cmd_address,
+        engine_out=settings.engine_out_address, controller=settings.controller_address,
+    )  # fmt: skip
+    service = GatewayService(build_core(settings), addresses)
+
+    async def main() -> None:
+        install_stop_handlers(service.stop)
+        await service.run()
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,130 @@
+"""Serve a model: start the controller, the gateway and N engines as supervised processes.
+
+Internal sockets are ipc:// endpoints in a private run folder; clients connect to `--address`.
+A dead engine is restarted at epoch+1; the death of the gateway or controller, or an engine's
+configuration error, stops everything with a non-zero status. Ctrl-C or SIGTERM stops all
+processes. Every gateway, controller and engine setting can be given here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.settings import ModelSettings
+
+from .controller import ControllerSettings, add_settings_arguments, parse_settings
+from .engine import EngineSettings
+from .gateway import GatewaySettings
+from .options import add_model_arguments
+
+# Fields serve decides for its children rather than passing through.
+_PLANNED = {"engine_cmd_address", "engine_out_address", "controller_address", "engine_id", "epoch",
+            "device", "model", "dtype"}  # fmt: skip
+
+
+class ServeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BUTTERMILK_", extra="ignore")
+
+    engines: int = Field(1, ge=1, le=64, description="engine processes")
+    device: str = Field("cpu", description="cpu (all engines share the CPU), gpu (engine i on gpu:i) or gpu:N (all on one)")
+    run_dir: str | None = Field(None, description="folder for the internal ipc sockets (default: a new temporary folder)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    seen = set(ModelSettings.model_fields)
+    for cls in (ServeSettings, GatewaySettings, ControllerSettings, EngineSettings):
+        add_settings_arguments(parser, cls, skip=seen | _PLANNED - set(ServeSettings.model_fields))
+        seen |= set(cls.model_fields)
+
+
+def engine_device(spec: str, index: int) -> str:
+    """The device of engine `index` under serve's `--device`."""
+    return f"gpu:{index}" if spec == "gpu" else spec
+
+
+def weights_dtype(dtype: str, device: str) -> str:
+    """`auto` resolved for a device: float32 on the CPU (BLAS matmuls), float16 on a GPU."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if device == "cpu" else "float16"
+
+
+def child_flags(values: dict) -> list[str]:
+    """`{"max_queue": 4, "log_json": True}` → `["--max-queue", "4", "--log-json"]`."""
+    flags = []
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags += [flag] if value else []
+        elif isinstance(value, tuple):
+            flags += [flag, ",".join(str(v) for v in value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def build_plan(args: argparse.Namespace, run_dir: Path):
+    """Child command lines for the settings given (flags and environment).
+
+    Raises:
+        ModelNotFound: `--model` names nothing usable (checked before anything starts).
+        BadRequest: a setting fails validation.
+    """
+    from services.engine.model.paths import resolve_model
+    from services.supervisor import ChildSpec, SupervisorPlan
+
+    serve = parse_settings(ServeSettings, args)
+    model = parse_settings(ModelSettings, args)
+    for cls in (GatewaySettings, ControllerSettings, EngineSettings):
+        parse_settings(cls, args)  # validate now: a bad value is a usage error, not a crash
+    device0 = engine_device(serve.device, 0)
+    dtype = weights_dtype(model.dtype, device0)
+    path = resolve_model(model.model, dtype=dtype)  # converts a GGUF once, here, not per engine
+    given = {n: v for n, v in vars(args).items() if v is not None}
+    ipc = {"engine_cmd_address": f"ipc://{run_dir}/engine-cmd",
+           "engine_out_address": f"ipc://{run_dir}/engine-out",
+           "controller_address": f"ipc://{run_dir}/controller"}  # fmt: skip
+    common = {"model": str(path), "dtype": dtype}
+
+    def argv(command: str, cls, **planned) -> tuple[str, ...]:
+        values = {n: given[n] for n in cls.model_fields if n in given and n not in _PLANNED}
+        fields = {**values, **{n: v for n, v in {**common, **ipc}.items() if n in cls.model_fields}, **planned}
+        return (command, *child_flags(fields))
+
+    engines = tuple(
+        ChildSpec(f"e{i}", argv("engine", EngineSettings, engine_id=f"e{i}",
+                                device=engine_device(serve.device, i)), is_engine=True)
+        for i in range(serve.engines)
+    )  # fmt: skip
+    gateway = GatewaySettings(**{n: v for n, v in given.items() if n in GatewaySettings.model_fields})
+    return SupervisorPlan(
+        controller=ChildSpec("controller", argv("controller", ControllerSettings)),
+        gateway=ChildSpec("gateway", argv("gateway", GatewaySettings)),
+        engines=engines,
+        controller_address=ipc["controller_address"],
+        client_address=gateway.address,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.supervisor import Supervisor
+    from shared.logging import configure_logging
+
+    serve = parse_settings(ServeSettings, args)
+    model = parse_settings(ModelSettings, args)
+    configure_logging(json=model.log_json, level=model.log_level)
+    own_dir = serve.run_dir is None
+    run_dir = Path(tempfile.mkdtemp(prefix="buttermilk-") if own_dir else serve.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return Supervisor(build_plan(args, run_dir)).run()
+    finally:
+        if own_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,290 @@
+"""Slots, page tables, the page free list and the step fence of a `BatchedKVCache`.
+
+Pure bookkeeping (no arrays), so the scheduler can decide and commit allocations
+before the runner touches storage (nano-vllm's `BlockManager` split). One `SlotTable`
+serves every layer: a page id names the same `page_size` token slots in each layer's
+storage, so one page table per slot covers the whole model.
+
+MLX is lazy, so a step that was launched may still read or write a page after the
+sequence that owned it is released. Released pages therefore wait on a pending list
+and return to the free list only when the engine reports (`complete_step`) that a
+step launched after the release has been evaluated: by then every earlier step has
+finished too (one stream, in order).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from shared.errors import CapacityExhausted, StaleSlot
+
+
+@dataclass(slots=True)
+class _Slot:
+    generation: int = 0  # +1 on every release, so views of the previous holder go stale
+    page_table: list[int] = field(default_factory=list)  # page ids in logical order
+    num_tokens: int = 0  # positions seen: RoPE position of the next token (grows past any window)
+    is_held: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LayerBudget:
+    """What one layer keeps per sequence: its window bound (tokens) and its bytes per token."""
+
+    max_live_tokens: int | None  # `window.max_size`, or None for full attention
+    bytes_per_token: int  # K and V, every codec field included
+
+
+class SlotView:
+    """A stable handle on one sequence's slot; any use after the slot's release raises `StaleSlot`.
+
+    Attributes:
+        slot_id (int): Row of the cache, `0 <= slot_id < max_slots`.
+        generation (int): The slot's generation when this view was handed out.
+    """
+
+    __slots__ = ("_table", "slot_id", "generation")
+
+    def __init__(self, table: SlotTable, slot_id: int, generation: int):
+        self._table, self.slot_id, self.generation = table, slot_id, generation
+
+    @property
+    def is_stale(self) -> bool:
+        """Whether the slot was released (or reused) since this view was handed out."""
+        return self._table.is_stale(self)
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions seen (tokens); the RoPE offset of the next token."""
+        return self._table.slot(self).num_tokens
+
+    @property
+    def page_table(self) -> tuple[int, ...]:
+        """Page ids of this sequence in logical order (a copy)."""
+        return tuple(self._table.slot(self).page_table)
+
+    @property
+    def tokens_held(self) -> int:
+        """Token positions whose K/V are held (the window bound applied), in tokens."""
+        return self._table.tokens_held(self)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for live tokens across all layers (K, V, every field)."""
+        return self._table.nbytes(self)
+
+    def __repr__(self) -> str:
+        return f"SlotView(slot_id={self.slot_id}, generation={self.generation})"
+
+
+class SlotTable:
+    """Slots, their page tables, the page free list and the step fence.
+
+    Args:
+        num_pages (int): Pages of storage shared by all slots.
+        page_size (int): Token slots per page.
+        max_slots (int): Sequences held at once (sessions between turns included).
+        layers (Sequence[LayerBudget]): One entry per layer, for page and byte accounting.
+
+    Raises:
+        ValueError: a non-positive size, or no layers.
+    """
+
+    def __init__(self, *, num_pages: int, page_size: int, max_slots: int, layers: Sequence[LayerBudget]):
+        if num_pages < 1 or page_size < 1 or max_slots < 1 or not layers:
+            raise ValueError(
+                f"need num_pages, page_size, max_slots >= 1 and at least one layer, got "
+                f"{num_pages}, {page_size}, {max_slots}, {len(layers)} layers"
+            )
+        self.page_size, self.max_slots, self.layers = page_size, max_slots, tuple(layers)
+        self.num_pages = num_pages
+        bounds = [layer.max_live_tokens for layer in self.layers]
+        # Page tables are shared by all layers, so the widest layer decides how many pages a slot needs.
+        self.max_live_tokens: int | None = None if None in bounds else max(bounds)
+        self._bytes_by_bound: dict[int | None, int] = {}  # window bound -> bytes per token of its layers
+        for layer in self.layers:
+            self._bytes_by_bound[layer.max_live_tokens] = self._bytes_by_bound.get(layer.max_live_tokens, 0) + layer.bytes_per_token
+        self._slots = [_Slot() for _ in range(max_slots)]
+        self._free_slots = deque(range(max_slots))
+        self._free_pages = deque(range(num_pages))
+        self._pending: list[tuple[int, list[int]]] = []  # (first step id that may free them, pages)
+        self._next_step_id = 0
+
+    # -- sizes -----------------------------------------------------------------
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Token slots of storage, all slots together (tokens)."""
+        return self.num_pages * self.page_size
+
+    @property
+    def free_tokens(self) -> int:
+        """Token slots on the free list (tokens); pages waiting on the fence are not free yet."""
+        return len(self._free_pages) * self.page_size
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def num_pending_pages(self) -> int:
+        """Released pages still waiting for the step fence."""
+        return sum(len(pages) for _, pages in self._pending)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token slot occupies across all layers (K, V, every field)."""
+        return sum(layer.bytes_per_token for layer in self.layers)
+
+    @property
+    def used_slots(self) -> int:
+        return self.max_slots - len(self._free_slots)
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages a sequence that has seen `num_tokens` positions holds."""
+        live = num_tokens if self.max_live_tokens is None else min(num_tokens, self.max_live_tokens)
+        return math.ceil(live / self.page_size)
+
+    # -- slots -----------------------------------------------------------------
+
+    def can_acquire(self) -> bool:
+        return bool(self._free_slots)
+
+    def acquire(self) -> SlotView:
+        """Hand out a free slot (no pages yet).
+
+        Raises:
+            CapacityExhausted: every slot is held.
+        """
+        if not self._free_slots:
+            raise CapacityExhausted(f"all {self.max_slots} slots are held")
+        slot_id = self._free_slots.popleft()
+        slot = self._slots[slot_id]
+        slot.is_held, slot.num_tokens, slot.page_table = True, 0, []
+        return SlotView(self, slot_id, slot.generation)
+
+    def release(self, view: SlotView) -> int:
+        """Free a slot at once and its pages after the fence; returns the tokens it held.
+
+        Raises:
+            StaleSlot: the view was already released.
+        """
+        slot = self.slot(view)
+        held = self.tokens_held(view)
+        self._defer(slot.page_table)
+        slot.generation += 1
+        slot.is_held, slot.num_tokens, slot.page_table = False, 0, []
+        self._free_slots.append(view.slot_id)
+        return held
+
+    def is_stale(self, view: SlotView) -> bool:
+        slot = self._slots[view.slot_id]
+        return not slot.is_held or slot.generation != view.generation
+
+    def slot(self, view: SlotView) -> _Slot:
+        """The live slot behind a view.
+
+        Raises:
+            StaleSlot: the slot was released or reused since the view was handed out.
+        """
+        if self.is_stale(view):
+            raise StaleSlot(
+                f"slot {view.slot_id} generation {view.generation} is stale "
+                f"(now generation {self._slots[view.slot_id].generation})"
+            )
+        return self._slots[view.slot_id]
+
+    def tokens_held(self, view: SlotView) -> int:
+        num_tokens = self.slot(view).num_tokens
+        return num_tokens if self.max_live_tokens is None else min(num_tokens, self.max_live_tokens)
+
+    def nbytes(self, view: SlotView) -> int:
+        """Exact bytes held: per layer, its live tokens times its bytes per token."""
+        num_tokens = self.slot(view).num_tokens
+        return sum(
+            (num_tokens if bound is None else min(num_tokens, bound)) * nbytes
+            for bound, nbytes in self._bytes_by_bound.items()
+        )
+
+    # -- pages -----------------------------------------------------------------
+
+    def pages_needed(self, view: SlotView, num_new: int) -> int:
+        """Extra pages the slot needs to take `num_new` more tokens."""
+        slot = self.slot(view)
+        return max(0, self.pages_for(slot.num_tokens + num_new) - len(slot.page_table))
+
+    def reserve(self, rows: Sequence[tuple[SlotView, int]]) -> None:
+        """Give each `(view, num_new)` row the pages its next `num_new` tokens need, all or nothing.
+
+        Raises:
+            CapacityExhausted: the free list cannot cover every row; nothing changed.
+            StaleSlot: a view is stale; nothing changed.
+        """
+        needed = [(self.slot(view), self.pages_needed(view, n)) for view, n in rows]
+        total = sum(n for _, n in needed)
+        if total > len(self._free_pages):
+            raise CapacityExhausted(
+                f"{total * self.page_size} more KV tokens needed, {self.free_tokens} free "
+                f"of {self.capacity_tokens} (page_size {self.page_size})"
+            )
+        for slot, n in needed:
+            slot.page_table.extend(self._free_pages.popleft() for _ in range(n))
+
+    def begin_forward(self, views: Sequence[SlotView], num_new: int) -> tuple[list[int], list[list[int]]]:
+        """Reserve and count `num_new` tokens for every row of a forward, all or nothing.
+
+        Returns:
+            tuple[list[int], list[list[int]]]: each row's first new position, and its page
+            table (the live list: read it before the next change).
+
+        Raises:
+            CapacityExhausted: the free list cannot cover every row; nothing changed.
+            StaleSlot: a view is stale; nothing changed.
+        """
+        self.reserve([(view, num_new) for view in views])
+        slots = [self._slots[view.slot_id] for view in views]
+        starts = [slot.num_tokens for slot in slots]
+        for slot in slots:
+            slot.num_tokens += num_new
+        return starts, [slot.page_table for slot in slots]
+
+    def truncate(self, view: SlotView, num_tokens: int) -> None:
+        """Forget positions from `num_tokens` on; pages no longer needed go back after the fence.
+
+        Under a window that has wrapped, only the last position can be forgotten: its ring
+        slot held a position that already fell out of every later query's window.
+
+        Raises:
+            StaleSlot: the view is stale.
+            ValueError: `num_tokens` is not below the current count, or the window forbids it.
+        """
+        slot = self.slot(view)
+        wrapped = self.max_live_tokens is not None and slot.num_tokens > self.max_live_tokens
+        if not 0 <= num_tokens <= slot.num_tokens or (wrapped and slot.num_tokens - num_tokens > 1):
+            raise ValueError(f"cannot truncate slot {view.slot_id} from {slot.num_tokens} to {num_tokens} tokens")
+        keep = self.pages_for(num_tokens) if not wrapped else len(slot.page_table)
+        self._defer(slot.page_table[keep:])
+        del slot.page_table[keep:]
+        slot.num_tokens = num_tokens
+
+    # -- the step fence ----------------------------------------------------------
+
+    def launch_step(self) -> int:
+        """Register a step whose work is being launched now; returns its id (increasing)."""
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        return step_id
+
+    def complete_step(self, step_id: int) -> None:
+        """Report that step `step_id`, and so every earlier step, has been evaluated."""
+        ready = [pages for first, pages in self._pending if first <= step_id]
+        self._pending = [(first, pages) for first, pages in self._pending if first > step_id]
+        for pages in ready:
+            self._free_pages.extend(pages)
+
+    def _defer(self, pages: list[int]) -> None:
+        if pages:
+            self._pending.append((self._next_step_id, list(pages)))

@@ -1,0 +1,111 @@
+"""Save and load per-layer caches: one safetensors file, arrays plus a JSON description.
+
+Format (`FORMAT`, version `VERSION`). Tensor `layers.{i}.{j}` is the j-th array of layer i's
+`state` (for `KVCache`: the key codec's fields, then the value codec's, each
+[B, n_kv_heads, T, *] with T the live slots, or the whole ring once a window has wrapped).
+The safetensors header metadata holds three strings: `format`, `version`, and `caches`, a
+JSON list with one entry per layer, `{"class", "meta_state", "num_arrays", "present"}`
+(`present` marks which `state` entries were not `None`), plus `metadata`, the caller's
+JSON-serialisable dict. `meta_state` carries everything the cache and its codecs are rebuilt
+from: offset, context cap, window, and each codec's `meta()` under `key_`/`value_` prefixes,
+AURA rotation seeds included, so codes written by one process decode the same in another.
+
+Source: safetensors format (https://github.com/huggingface/safetensors); MLX
+`mx.save_safetensors` / `mx.load`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+
+from .kv import KVCache
+from .recurrent import RecurrentStateCache
+from .schemes import codec_from_meta
+from .window import Window
+
+FORMAT = "buttermilk.kv_caches"
+VERSION = "1"
+_PREFIXES = ("key_", "value_")
+
+
+def save_caches(path: str | Path, caches: list, metadata: dict | None = None) -> Path:
+    """Write every layer's cache state to one safetensors file (evaluates the state).
+
+    Args:
+        path (str | Path): Target file; `.safetensors` is appended when missing.
+        caches (list): Per-layer `KVCache` / `RecurrentStateCache` objects (not mutated).
+        metadata (dict | None): Caller data stored beside (must be JSON-serialisable).
+
+    Returns:
+        Path: The file written.
+
+    Raises:
+        ValueError: a cache of a class this format does not describe.
+    """
+    path = Path(path)
+    path = path if path.suffix == ".safetensors" else path.with_name(path.name + ".safetensors")
+    arrays, entries = {}, []
+    for layer, cache in enumerate(caches):
+        if not isinstance(cache, (KVCache, RecurrentStateCache)):
+            raise ValueError(f"layer {layer}: cannot save a {type(cache).__name__}")
+        state = list(cache.state)
+        present = [a is not None for a in state]
+        arrays |= {f"layers.{layer}.{j}": a for j, a in enumerate(state) if a is not None}
+        entries.append({"class": type(cache).__name__, "meta_state": cache.meta_state,
+                        "num_arrays": len(state), "present": present})
+    header = {"format": FORMAT, "version": VERSION, "caches": json.dumps(entries),
+              "metadata": json.dumps(metadata or {})}
+    mx.save_safetensors(str(path), arrays, metadata=header)
+    return path
+
+
+def load_caches(path: str | Path) -> tuple[list, dict]:
+    """Rebuild the caches `save_caches` wrote, codecs and rotations included.
+
+    Args:
+        path (str | Path): A file written by `save_caches`.
+
+    Returns:
+        tuple[list, dict]: The per-layer caches (fresh objects owning the loaded arrays,
+        ready to continue the sequence) and the caller metadata.
+
+    Raises:
+        ValueError: the file is not in this format or version, or describes an unknown
+            cache class or codec.
+    """
+    arrays, header = mx.load(str(path), return_metadata=True)
+    if header.get("format") != FORMAT or header.get("version") != VERSION:
+        raise ValueError(f"{path}: not a {FORMAT} v{VERSION} file (header {header.get('format')!r} "
+                         f"v{header.get('version')!r})")
+    caches = []
+    for layer, entry in enumerate(json.loads(header["caches"])):
+        state = [arrays[f"layers.{layer}.{j}"] if present else None for j, present in enumerate(entry["present"])]
+        caches.append(_rebuild(entry["class"], entry["meta_state"], state))
+    return caches, json.loads(header["metadata"])
+
+
+def _rebuild(kind: str, meta: dict[str, str], state: list):
+    if kind == "KVCache":
+        return _rebuild_kv(meta, state)
+    if kind == "RecurrentStateCache":
+        cache = RecurrentStateCache(int(meta["num_arrays"]))
+        cache.state, cache.offset = state, int(meta["offset"])
+        return cache
+    raise ValueError(f"unknown cache class {kind!r}")
+
+
+def _rebuild_kv(meta: dict[str, str], state: list) -> KVCache:
+    key_codec, value_codec = (codec_from_meta(_strip(meta, prefix)) for prefix in _PREFIXES)
+    window = None
+    if "window_max_size" in meta:
+        window = Window(int(meta["window_max_size"]), int(meta["window_keep"]))
+    cache = KVCache(key_codec, value_codec, max_tokens=int(meta["max_tokens"]), window=window)
+    cache.state, cache.offset = state, int(meta["offset"])
+    return cache
+
+
+def _strip(meta: dict[str, str], prefix: str) -> dict[str, str]:
+    return {k.removeprefix(prefix): v for k, v in meta.items() if k.startswith(prefix)}

@@ -1,0 +1,207 @@
+"""`EngineCore`: continuous batching over a `BatchedKVCache`, with no sockets (vLLM V1's inner loop).
+
+`step()` = schedule → run → update: the scheduler decides (pure), the runner builds and
+launches the step's forwards, then the previous step's tokens are read back, aborts are
+applied, and the scheduler records them. Steps are pipelined one deep, so a step's tokens
+come out of the following `step()` call; `has_unfinished()` stays true until they have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from shared.errors import BadRequest, ButtermilkError
+
+from .cache.batched import BatchedKVCache
+from .cache.factory import CacheOptions
+from .cache.report import geometry as model_geometry
+from .model.loader import LoadedModel
+from .request import Request, RequestStatus
+from .runner import Launch, ModelRunner
+from .scheduler import Scheduler, StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request.
+
+    `num_prompt_tokens` counts every token the request conditions on (a session's history
+    plus this turn's new tokens); `num_cached_tokens` is the part of it that was already in
+    the session's cache and was not recomputed.
+    """
+
+    request_id: str
+    new_token_ids: list[int]  # tokens read back this step (the EOS token included when it ended the request)
+    finish_reason: str | None  # "stop", "length", "cancelled", "error", or None while running
+    num_prompt_tokens: int  # tokens
+    num_cached_tokens: int  # tokens
+    tokens_held: int  # KV tokens the request's slot holds now (0 once freed; a session keeps its own)
+    bytes_held: int  # bytes of those tokens, all layers, K and V, metadata included
+    error: ButtermilkError | None = None  # set when finish_reason is "error"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Capacity and what is held, per request and per kept session."""
+
+    capacity_tokens: int  # KV token slots of the cache
+    free_tokens: int  # token slots on the free list (released pages return after the step fence)
+    used_slots: int  # slots held by requests and sessions
+    max_slots: int
+    bytes_per_token: int  # one token slot across all layers
+    per_request: dict[str, tuple[int, int]]  # unfinished request id -> (tokens held, bytes held)
+    sessions: dict[str, int]  # session id -> tokens held by its slot
+
+
+class EngineCore:
+    """The engine's inner loop: requests in, token batches out.
+
+    Args:
+        loaded (LoadedModel): Model and tokenizer (EOS ids end requests).
+        options (CacheOptions): Scheme, window and context cap.
+        capacity_tokens (int): KV token slots to allocate, all slots together.
+        max_slots (int): Sequences held at once, kept sessions included. Default: 64.
+        step_token_budget (int): Tokens per step, decode rows and prompt chunks together. Default: 512.
+        page_size (int): Token slots per page. Default: 16.
+
+    Raises:
+        ValueError: a budget below `max_slots` (a prompt could starve), an unsupported layer
+            kind (recurrent), or an unknown scheme.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        options: CacheOptions,
+        *,
+        capacity_tokens: int,
+        max_slots: int = 64,
+        step_token_budget: int = 512,
+        page_size: int = 16,
+    ):
+        if step_token_budget < max_slots:
+            raise ValueError(f"step_token_budget {step_token_budget} must be >= max_slots {max_slots}")
+        self.loaded, self.options = loaded, options
+        self._model_geometry = model_geometry(loaded)
+        self.cache = BatchedKVCache.for_model(
+            loaded.model, options, n_kv_heads=self._model_geometry["n_kv_heads"],
+            head_dim=self._model_geometry["head_dim"], capacity_tokens=capacity_tokens,
+            page_size=page_size, max_slots=max_slots,
+        )
+        self.scheduler = Scheduler(
+            self.cache.slots, step_token_budget=step_token_budget, max_context=options.max_context,
+            eos_token_ids=loaded.tokenizer.eos_token_ids,
+        )
+        self.runner = ModelRunner(loaded.model, self.cache)
+        self._in_flight: tuple[StepPlan, Launch] | None = None
+        self._aborts: set[str] = set()
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; errors are raised here and leave no state.
+
+        Raises:
+            BadRequest: duplicate id, empty prompt, a token id outside the vocabulary, top_k
+                not below the vocabulary size, or a session with a turn in progress.
+            ContextOverflow: the prompt (with the session's history) leaves no room to generate.
+            CapacityExhausted: the prompt does not fit the cache's free space now.
+        """
+        vocab = self._model_geometry["vocab_size"]
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise BadRequest(f"prompt_token_ids must be in [0, {vocab})")
+        if request.params.top_k >= vocab:
+            raise BadRequest(f"top_k must be below the vocabulary size {vocab}, got {request.params.top_k}")
+        self.scheduler.add(request)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Cancel requests (idempotent); applied in the next `step()` between model step and update."""
+        self._aborts.update(request_ids)
+
+    def close_session(self, session_id: str) -> int:
+        """Free a kept session's slot (after its turn in progress, which is aborted).
+
+        Returns:
+            int: tokens the slot held (0 if the session is unknown).
+        """
+        held, active = self.scheduler.close_session(session_id)
+        if active is not None:
+            self.abort([active.request_id])
+        return held
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._aborts)
+
+    def step(self) -> list[RequestOutput]:
+        """Launch one step and return what the previous one produced (plus aborts and failures)."""
+        plan = self.scheduler.schedule()
+        launch = self.runner.run(plan) if plan.has_work else None
+        previous, self._in_flight = self._in_flight, (plan, launch) if launch else None
+        sampled = self.runner.collect(previous[1]) if previous else {}
+        outputs = [self._output(r, []) for r in plan.failed]
+        outputs += self._apply_aborts()
+        if previous:
+            outputs += [self._output(r, [sampled[r.request_id]]) for r in self.scheduler.update(previous[0], sampled)]
+        if self._in_flight is None:
+            self.runner.drain()
+        return outputs
+
+    def stats(self) -> EngineStats:
+        slots = self.cache.slots
+        return EngineStats(
+            capacity_tokens=slots.capacity_tokens,
+            free_tokens=slots.free_tokens,
+            used_slots=slots.used_slots,
+            max_slots=slots.max_slots,
+            bytes_per_token=slots.bytes_per_token,
+            per_request={rid: _held(r) for rid, r in self.scheduler.requests.items()},
+            sessions={sid: s.slot.tokens_held if s.slot else 0 for sid, s in self.scheduler.sessions.items()},
+        )
+
+    @property
+    def geometry(self) -> dict:
+        """What the engine announces in HELLO (sizes in tokens and bytes)."""
+        g, cache = self._model_geometry, self.cache
+        return {
+            "n_layers": g["n_layers"],
+            "n_kv_heads": g["n_kv_heads"],
+            "head_dim": g["head_dim"],
+            "dtype": g["dtype"],
+            "kv_cache": self.options.scheme,
+            "page_size": cache.page_size,
+            "capacity_tokens": cache.capacity_tokens,
+            "bytes_per_token": cache.bytes_per_token,
+            "max_slots": cache.slots.max_slots,
+            "max_context": self.options.max_context,
+            "window_tokens": cache.slots.max_live_tokens,
+        }
+
+    def _apply_aborts(self) -> list[RequestOutput]:
+        outputs = []
+        for request_id in sorted(self._aborts):
+            request = self.scheduler.requests.get(request_id)
+            if request is not None and self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED):
+                outputs.append(self._output(request, []))
+        self._aborts.clear()
+        return outputs
+
+    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        if request.is_finished:
+            self.runner.forget(request.request_id)
+        tokens, nbytes = _held(request)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            tokens_held=tokens,
+            bytes_held=nbytes,
+            error=request.error,
+        )
+
+
+def _held(request: Request) -> tuple[int, int]:
+    """(tokens, bytes) the request's slot holds now; (0, 0) once it was released."""
+    if request.slot is None or request.slot.is_stale:
+        return 0, 0
+    return request.slot.tokens_held, request.slot.nbytes

@@ -1,0 +1,269 @@
+"""The scheduler: who runs this step and with how many tokens. Pure: no arrays, no I/O.
+
+It owns `waiting` and `running`, the kept sessions, and the per-step token budget, and
+commits page allocations through the cache's `SlotTable` (bookkeeping only). Like vLLM V1
+there is no prefill or decode phase: each request has `num_computed_tokens` against what
+it knows, decode rows cost one token each, and what is left of the budget goes to prompt
+chunks, so a long prompt never stalls running streams.
+
+Steps are pipelined (the runner builds step n while step n-1 computes), so `schedule`
+counts tokens that are launched but not read back (`num_pending_outputs`), and `update`
+ignores rows of requests that ended meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from shared.errors import BadRequest, ButtermilkError, CapacityExhausted
+
+from .cache.pages import SlotTable, SlotView
+from .generate import cap_max_tokens
+from .request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """Prompt tokens of one request computed in one forward this step."""
+
+    request: Request
+    start: int  # index of the first token in `request.prefill_token_ids`
+    num_tokens: int
+    is_last: bool  # completes the prompt, so the forward samples the first output token
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.prefill_token_ids[self.start : self.start + self.num_tokens]
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one step computes."""
+
+    prefills: tuple[PrefillChunk, ...] = ()  # one B=1 forward each
+    decodes: tuple[Request, ...] = ()  # rows of the one batched decode forward, one token each
+    failed: tuple[Request, ...] = ()  # requests ended with an error while scheduling
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.prefills or self.decodes)
+
+    @property
+    def sampling(self) -> tuple[Request, ...]:
+        """Requests that get a token from this step."""
+        return tuple(c.request for c in self.prefills if c.is_last) + self.decodes
+
+
+@dataclass(slots=True)
+class Session:
+    """A slot kept between the turns of one conversation."""
+
+    slot: SlotView | None  # None until its first turn is admitted
+    tail_token_ids: list[int]  # history tokens whose K/V is not computed yet (the next turn computes them)
+    request: Request | None = None  # the turn in progress
+    is_closing: bool = False  # release the slot when the turn in progress ends
+
+
+class Scheduler:
+    """Decides each step's prefill chunks and decode rows.
+
+    Args:
+        slots (SlotTable): The cache's bookkeeping; the scheduler reserves pages through it.
+        step_token_budget (int): Tokens per step, decode rows and prompt chunks together.
+        max_context (int): Tokens per sequence (prompt, history and outputs).
+        eos_token_ids (Iterable[int]): Tokens that end a request with "stop".
+    """
+
+    def __init__(self, slots: SlotTable, *, step_token_budget: int, max_context: int, eos_token_ids: Iterable[int]):
+        self.slots, self.step_token_budget, self.max_context = slots, step_token_budget, max_context
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.sessions: dict[str, Session] = {}
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- admission ---------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Validate and queue a request; on error nothing changes.
+
+        Raises:
+            BadRequest: duplicate id, empty prompt, or its session has a turn in progress.
+            ContextOverflow: history plus prompt leave no room for one generated token.
+            CapacityExhausted: the prompt does not fit the cache's free space now.
+        """
+        if request.request_id in self.requests:
+            raise BadRequest(f"request id {request.request_id!r} is already in use")
+        if not request.prompt_token_ids:
+            raise BadRequest("prompt_token_ids is empty")
+        session = self.sessions.get(request.session_id) if request.session_id is not None else None
+        if session is not None and session.request is not None:
+            raise BadRequest(f"session {request.session_id!r} already has a request in progress")
+        cached = session.slot.num_tokens if session and session.slot else 0
+        tail = session.tail_token_ids if session else []
+        num_prompt = cached + len(tail) + len(request.prompt_token_ids)
+        max_tokens = cap_max_tokens(num_prompt, request.params.max_tokens, self.max_context)
+        held = len(session.slot.page_table) if session and session.slot else 0
+        if self.slots.pages_for(num_prompt) - held > self.slots.num_free_pages + self.slots.num_pending_pages:
+            raise CapacityExhausted(
+                f"the prompt needs {num_prompt} KV tokens; {self.slots.free_tokens} of "
+                f"{self.slots.capacity_tokens} are free"
+            )
+        request.num_cached_tokens = request.num_computed_tokens = cached
+        request.prefill_token_ids = tail + list(request.prompt_token_ids)
+        request.max_tokens, request.slot = max_tokens, session.slot if session else None
+        if request.session_id is not None:
+            self.sessions[request.session_id] = session or Session(slot=None, tail_token_ids=[])
+            self.sessions[request.session_id].request = request
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _admit(self, request: Request) -> bool:
+        """Give the head of `waiting` its slot and the pages of its whole prompt, if both are free."""
+        held = len(request.slot.page_table) if request.slot else 0
+        if self.slots.pages_for(request.num_prompt_tokens) - held > self.slots.num_free_pages:
+            return False
+        if request.slot is None:
+            if not self.slots.can_acquire():
+                return False
+            request.slot = self.slots.acquire()
+            if request.session_id is not None:
+                self.sessions[request.session_id].slot = request.slot
+        self.slots.reserve([(request.slot, len(request.prefill_token_ids))])
+        request.status = RequestStatus.RUNNING
+        return True
+
+    # -- scheduling ----------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Pick this step's decode rows, then prompt chunks under what is left of the budget."""
+        decodes, failed = self._schedule_decodes()
+        prefills = self._schedule_prefills(self.step_token_budget - len(decodes))
+        return StepPlan(prefills=tuple(prefills), decodes=tuple(decodes), failed=tuple(failed))
+
+    def _schedule_decodes(self) -> tuple[list[Request], list[Request]]:
+        decodes, failed = [], []
+        for request in self.running:
+            if request.is_prefill or request.num_output_tokens + request.num_pending_outputs >= request.max_tokens:
+                continue
+            needed = self.slots.pages_needed(request.slot, 1)
+            if needed > self.slots.num_free_pages:
+                # With pages waiting on the fence, try again next step; otherwise the stream cannot
+                # grow: it fails once its launched tokens are read back (they are delivered first).
+                if not self.slots.num_pending_pages and not request.num_pending_outputs:
+                    failed.append(request)
+                continue
+            if needed:
+                self.slots.reserve([(request.slot, 1)])
+            request.num_computed_tokens += 1
+            request.num_pending_outputs += 1
+            decodes.append(request)
+        for request in failed:
+            error = CapacityExhausted(f"the KV cache is full ({self.slots.capacity_tokens} tokens); request cannot grow")
+            self.finish(request, RequestStatus.FINISHED_ERROR, error)
+        return decodes, failed
+
+    def _schedule_prefills(self, budget: int) -> list[PrefillChunk]:
+        chunks = []
+        for request in self.running:
+            if budget <= 0:
+                return chunks
+            if request.is_prefill:
+                chunks.append(self._chunk(request, budget))
+                budget -= chunks[-1].num_tokens
+        while budget > 0 and self.waiting and self._admit(self.waiting[0]):
+            request = self.waiting.popleft()
+            self.running.append(request)
+            chunks.append(self._chunk(request, budget))
+            budget -= chunks[-1].num_tokens
+        return chunks
+
+    def _chunk(self, request: Request, budget: int) -> PrefillChunk:
+        num = min(budget, request.num_prompt_tokens - request.num_computed_tokens)
+        start = request.num_computed_tokens - request.num_cached_tokens
+        request.num_computed_tokens += num
+        is_last = not request.is_prefill
+        request.num_pending_outputs += is_last
+        return PrefillChunk(request=request, start=start, num_tokens=num, is_last=is_last)
+
+    # -- results ---------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
+        """Record the tokens a step sampled; returns the requests that got one, in plan order.
+
+        Rows of requests that ended after the step was scheduled are ignored.
+        """
+        updated = []
+        for request in plan.sampling:
+            if request.is_finished:
+                continue
+            token = sampled[request.request_id]
+            request.num_pending_outputs -= 1
+            request.append_output(token)
+            updated.append(request)
+            if token in self.eos_token_ids:
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+            elif request.num_output_tokens >= request.max_tokens:
+                self.finish(request, RequestStatus.FINISHED_LENGTH)
+        return updated
+
+    def finish(self, request: Request, status: RequestStatus, error: ButtermilkError | None = None) -> bool:
+        """End a request (idempotent): record why, free its slot or keep it for its session.
+
+        Returns:
+            bool: False when it had already ended.
+        """
+        if request.is_finished:
+            return False
+        request.status, request.error = status, error
+        (self.running if request in self.running else self.waiting).remove(request)
+        del self.requests[request.request_id]
+        session = self.sessions.get(request.session_id) if request.session_id is not None else None
+        if session is None:
+            if request.slot is not None:
+                self.slots.release(request.slot)
+            return True
+        session.request = None
+        if session.slot is None or session.is_closing:
+            self._drop_session(request.session_id)
+        else:
+            self._keep_history(session, request)
+        return True
+
+    def _keep_history(self, session: Session, request: Request) -> None:
+        """The session keeps the request's prompt and the outputs read back; the rest of the K/V goes."""
+        history = request.history_token_ids()
+        computed = request.num_computed_tokens - request.num_cached_tokens
+        if computed > len(history):  # a launched token that was never read back (abort)
+            self.slots.truncate(session.slot, request.num_cached_tokens + len(history))
+            computed = len(history)
+        session.tail_token_ids = history[computed:]
+
+    # -- sessions --------------------------------------------------------------------
+
+    def close_session(self, session_id: str) -> tuple[int, Request | None]:
+        """Free a session's slot, or mark it to be freed when its turn in progress ends.
+
+        Returns:
+            tuple[int, Request | None]: tokens the slot held (0 if unknown), and the turn in
+            progress (the caller aborts it), if any.
+        """
+        session = self.sessions.get(session_id)
+        if session is None:
+            return 0, None
+        held = session.slot.tokens_held if session.slot else 0
+        if session.request is not None:
+            session.is_closing = True
+            return held, session.request
+        self._drop_session(session_id)
+        return held, None
+
+    def _drop_session(self, session_id: str) -> None:
+        session = self.sessions.pop(session_id)
+        if session.slot is not None:
+            self.slots.release(session.slot)

@@ -1,0 +1,339 @@
+"""The engine process: a socket thread feeding a queue, and the main thread running `core.step()`.
+
+MLX steps block, so (as in vLLM's `EngineCoreProc`) the sockets live on their own thread:
+`EngineIO` decodes what the gateway and the controller send into a `queue.Queue`, sends HELLO
+and heartbeats on its own schedule (so a long step never looks like death), and relays the
+main thread's controller-bound frames. The main thread owns the engine-out PUSH socket and the
+`EngineCore`: drain the inbox → `step()` → publish tokens and finishes.
+
+Sockets:
+    engine-cmd  DEALER → gateway ROUTER: HELLO, heartbeats; receives generate and abort
+    controller  DEALER → controller ROUTER: HELLO, heartbeats, reconcile; receives abort,
+                session close and `engine_dead` (this epoch is stale: exit for a restart)
+    engine-out  PUSH   → gateway PULL (main thread): token batches and finishes
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from shared.errors import BadRequest, ButtermilkError, EngineFailed
+from shared.logging import get_logger
+from shared.protocol import (
+    ENGINE_TYPES,
+    MAX_ERROR_CHARS,
+    EngineAbort,
+    EngineDead,
+    EngineFinished,
+    EngineGenerate,
+    EngineSessionClose,
+    EngineTokens,
+    Error,
+    Heartbeat,
+    Hello,
+    ProtocolError,
+    Reconcile,
+    TokenChunk,
+    Usage,
+    decode,
+    encode,
+)
+
+from .core import EngineCore, RequestOutput
+from .request import Request
+from .sampling import SamplingParams
+
+HEARTBEAT_S = 0.5  # heartbeat period; receivers declare death after several missed beats
+HELLO_EVERY_S = 5.0  # HELLO is repeated so a restarted gateway or controller learns us again
+IDLE_WAIT_S = 0.1  # longest block on the inbox while there is nothing to step
+SNAPSHOT_EVERY_S = 0.2  # how often the heartbeat's figures are refreshed from core.stats()
+RECONCILE_EVERY_TOKENS = 64  # report a request's KV growth each time it grows this much
+RELAY_ADDRESS = "inproc://engine-relay"
+EXIT_STALE = 75  # exit status when the controller says this epoch is dead (restart me)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineAddresses:
+    gateway_cmd: str  # the gateway's engine-cmd ROUTER
+    gateway_out: str  # the gateway's engine-out PULL
+    controller: str  # the controller's ROUTER
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Inbox sentinel: leave the main loop with this exit status."""
+
+    status: int
+    reason: str
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """What heartbeats report; replaced whole by the main thread, read by the socket thread."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    tokens_used: int = 0
+    bytes_used: int = 0
+    used_slots: int = 0
+    num_sessions: int = 0
+
+
+class EngineIO(threading.Thread):
+    """The socket thread: inbound frames → `inbox`, HELLO and heartbeats, relayed frames out.
+
+    Args:
+        ctx (zmq.Context): shared with the main thread (contexts are thread-safe).
+        addresses (EngineAddresses): where the gateway and controller listen.
+        hello (Hello): this engine's HELLO.
+        inbox (queue.Queue): receives decoded messages and `Stop`.
+    """
+
+    def __init__(self, ctx: zmq.Context, addresses: EngineAddresses, hello: Hello, inbox: queue.Queue):
+        super().__init__(name="engine-io", daemon=True)
+        self.ctx, self.addresses, self.hello, self.inbox = ctx, addresses, hello, inbox
+        self.snapshot = Snapshot()
+        self.stopping = threading.Event()
+        self.log = get_logger("engine_io", engine_id=hello.engine_id, epoch=hello.epoch)
+        # Bound here, before the main thread connects its end.
+        self._relay = ctx.socket(zmq.PULL)
+        self._relay.setsockopt(zmq.LINGER, 0)
+        self._relay.bind(RELAY_ADDRESS)
+
+    def run(self) -> None:
+        routing_id = f"{self.hello.engine_id}:{self.hello.epoch}".encode()
+        cmd = self._dealer(self.addresses.gateway_cmd, routing_id)
+        ctl = self._dealer(self.addresses.controller, routing_id)
+        poller = zmq.Poller()
+        for sock in (cmd, ctl, self._relay):
+            poller.register(sock, zmq.POLLIN)
+        next_beat = next_hello = 0.0
+        try:
+            while not self.stopping.is_set():
+                now = time.monotonic()
+                if now >= next_hello:
+                    self._send_both(cmd, ctl, encode(self.hello))
+                    next_hello = now + HELLO_EVERY_S
+                if now >= next_beat:
+                    self._send_both(cmd, ctl, encode(self._heartbeat()))
+                    next_beat = now + HEARTBEAT_S
+                ready = dict(poller.poll(timeout=max(1, round((next_beat - now) * 1000))))
+                self._pump(ready, cmd, ctl)
+        finally:
+            for sock in (cmd, ctl, self._relay):
+                sock.close(linger=0)
+
+    def _dealer(self, address: str, routing_id: bytes) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        return sock
+
+    @staticmethod
+    def _send_both(cmd: zmq.Socket, ctl: zmq.Socket, frame: bytes) -> None:
+        for sock in (cmd, ctl):
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # peer not connected yet; the next beat retries
+
+    def _pump(self, ready: dict, cmd: zmq.Socket, ctl: zmq.Socket) -> None:
+        for sock, source in ((cmd, "gateway"), (ctl, "controller")):
+            while sock in ready and sock.poll(0):
+                self._inbound(sock.recv_multipart(), source)
+        while self._relay in ready and self._relay.poll(0):
+            ctl.send(self._relay.recv())
+
+    def _inbound(self, frames: list[bytes], source: str) -> None:
+        try:
+            if len(frames) != 1:
+                raise ProtocolError(f"expected one frame, got {len(frames)}")
+            msg = decode(frames[0], allowed=ENGINE_TYPES)
+        except ProtocolError as exc:
+            self.log.warning("frame_rejected", source=source, error=exc.message)
+            return
+        if isinstance(msg, EngineDead):
+            self.inbox.put(Stop(EXIT_STALE, f"the controller declared epoch {msg.epoch} dead"))
+        elif isinstance(msg, Error):
+            self.log.warning("peer_error", source=source, code=msg.code.value, message=msg.message)
+        else:
+            self.inbox.put(msg)
+
+    def _heartbeat(self) -> Heartbeat:
+        s = self.snapshot
+        return Heartbeat(
+            engine_id=self.hello.engine_id, epoch=self.hello.epoch, num_running=s.num_running,
+            num_waiting=s.num_waiting, tokens_used=s.tokens_used, bytes_used=s.bytes_used,
+            used_slots=s.used_slots, num_sessions=s.num_sessions,
+        )  # fmt: skip
+
+
+@dataclass(slots=True)
+class Running:
+    """The engine service's record of one request it accepted."""
+
+    resv_id: str
+    session_id: str | None
+    num_generated: int = 0  # tokens sent so far (the next chunk's index)
+    tokens_reported: int = 0  # KV growth last sent in a reconcile
+
+
+class EngineService:
+    """Runs an `EngineCore` behind the engine's sockets; see the module docstring.
+
+    Args:
+        core (EngineCore): the batching engine (owned by this service from now on).
+        hello (Hello): identity, epoch and geometry to announce.
+        addresses (EngineAddresses): where the gateway and controller listen.
+    """
+
+    def __init__(self, core: EngineCore, hello: Hello, addresses: EngineAddresses):
+        self.core, self.hello, self.addresses = core, hello, addresses
+        self.inbox: queue.Queue = queue.Queue()
+        self.running: dict[str, Running] = {}
+        self.log = get_logger("engine", engine_id=hello.engine_id, epoch=hello.epoch)
+        self._next_snapshot = 0.0
+        self._needs_fence = False  # a session was closed: step once even when idle
+
+    def run(self) -> int:
+        """Serve until a `Stop` arrives; returns the process exit status."""
+        ctx = zmq.Context()
+        io = EngineIO(ctx, self.addresses, self.hello, self.inbox)
+        out, relay = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+        for sock, address in ((out, self.addresses.gateway_out), (relay, RELAY_ADDRESS)):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+        io.start()
+        self.log.info("engine_ready", pid=self.hello.pid, **self.hello.geometry.model_dump())
+        try:
+            stop = self._loop(out, relay, io)
+            self.log.info("engine_stopping", status=stop.status, reason=stop.reason)
+            return stop.status
+        except Exception:
+            self.log.exception("engine_fatal")
+            relay.send(encode(EngineDead(engine_id=self.hello.engine_id, epoch=self.hello.epoch)))
+            time.sleep(0.2)  # let the socket thread relay it before everything closes
+            return 1
+        finally:
+            io.stopping.set()
+            io.join(timeout=2.0)
+            out.close(linger=0)
+            relay.close(linger=0)
+            ctx.term()
+
+    def stop(self, reason: str = "signal") -> None:
+        """Ask the main loop to finish its step and exit 0 (safe from a signal handler)."""
+        self.inbox.put(Stop(0, reason))
+
+    def _loop(self, out: zmq.Socket, relay: zmq.Socket, io: EngineIO) -> Stop:
+        while True:
+            stop = self._drain(out, block=not self.core.has_unfinished())
+            if stop is not None:
+                return stop
+            if self.core.has_unfinished() or self._needs_fence:
+                # An idle step passes the cache's fence, so a closed session's pages return now.
+                self._needs_fence = False
+                self._publish(self.core.step(), out, relay)
+            if time.monotonic() >= self._next_snapshot:
+                io.snapshot = self._snapshot()
+                self._next_snapshot = time.monotonic() + SNAPSHOT_EVERY_S
+
+    def _drain(self, out: zmq.Socket, *, block: bool) -> Stop | None:
+        """Apply every queued message (waiting briefly for one when idle)."""
+        try:
+            item = self.inbox.get(timeout=IDLE_WAIT_S) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return None
+        while True:
+            if isinstance(item, Stop):
+                return item
+            self._apply(item, out)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return None
+
+    def _apply(self, msg, out: zmq.Socket) -> None:
+        match msg:
+            case EngineGenerate():
+                self._add(msg, out)
+            case EngineAbort():
+                self.core.abort([i for i in msg.ids if i in self.running])
+            case EngineSessionClose():
+                for session_id in msg.session_ids:
+                    self.core.close_session(session_id)
+                self._needs_fence = True
+
+    def _add(self, msg: EngineGenerate, out: zmq.Socket) -> None:
+        try:
+            if msg.epoch != self.hello.epoch:
+                raise EngineFailed(f"request for epoch {msg.epoch}; this engine is epoch {self.hello.epoch}")
+            if msg.id in self.running:
+                raise BadRequest(f"request id {msg.id} is already running")
+            self.core.add_request(Request(msg.id, list(msg.token_ids), _sampling(msg), session_id=msg.session_id))
+        except ButtermilkError as exc:
+            self.log.info("request_refused", request_id=msg.id, code=exc.code.value, error=exc.message)
+            usage = Usage(prompt_tokens=len(msg.token_ids), completion_tokens=0)
+            out.send(encode(self._finish_message(msg.id, "error", usage, msg.session_id, exc, refused=True)))
+            return
+        self.running[msg.id] = Running(msg.resv_id, msg.session_id)
+
+    def _publish(self, outputs: list[RequestOutput], out: zmq.Socket, relay: zmq.Socket) -> None:
+        """Send one step's tokens as one batch, then each finish, then KV growth reports."""
+        chunks = []
+        for o in outputs:
+            run = self.running.get(o.request_id)
+            if run is not None and o.new_token_ids:
+                chunks.append(TokenChunk(id=o.request_id, token_ids=o.new_token_ids, index=run.num_generated))
+                run.num_generated += len(o.new_token_ids)
+        if chunks:
+            out.send(encode(EngineTokens(engine_id=self.hello.engine_id, epoch=self.hello.epoch, chunks=chunks)))
+        for o in outputs:
+            run = self.running.get(o.request_id)
+            if run is None:
+                continue
+            if o.finish_reason is not None:
+                del self.running[o.request_id]
+                usage = Usage(prompt_tokens=o.num_prompt_tokens, completion_tokens=run.num_generated,
+                              cached_tokens=o.num_cached_tokens)  # fmt: skip
+                out.send(encode(self._finish_message(o.request_id, o.finish_reason, usage, run.session_id, o.error)))
+            elif (grown := max(0, o.tokens_held - o.num_cached_tokens)) >= run.tokens_reported + RECONCILE_EVERY_TOKENS:
+                run.tokens_reported = grown
+                relay.send(encode(Reconcile(resv_id=run.resv_id, tokens_observed=grown)))
+
+    def _finish_message(
+        self, request_id: str, reason: str, usage: Usage, session_id: str | None,
+        error: ButtermilkError | None, *, refused: bool = False,
+    ) -> EngineFinished:  # fmt: skip
+        stats = self.core.stats() if session_id is not None else None
+        held = stats.sessions.get(session_id) if stats is not None else None
+        failed = reason == "error"
+        if failed and error is None:
+            error = ButtermilkError("the engine failed the request")
+        return EngineFinished(
+            engine_id=self.hello.engine_id, epoch=self.hello.epoch, id=request_id, reason=reason,
+            usage=usage, tokens_held=held,
+            bytes_held=held * stats.bytes_per_token if held is not None else 0,
+            code=error.code if failed else None,
+            message=error.message[:MAX_ERROR_CHARS] if failed else None, refused=refused,
+        )  # fmt: skip
+
+    def _snapshot(self) -> Snapshot:
+        stats = self.core.stats()
+        used = stats.capacity_tokens - stats.free_tokens
+        return Snapshot(
+            num_running=len(self.running), tokens_used=used, bytes_used=used * stats.bytes_per_token,
+            used_slots=stats.used_slots, num_sessions=len(stats.sessions),
+        )  # fmt: skip
+
+
+def _sampling(msg: EngineGenerate) -> SamplingParams:
+    s = msg.sampling
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or 0,
+                          seed=s.seed, max_tokens=s.max_tokens)  # fmt: skip

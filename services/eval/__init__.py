@@ -1,0 +1,1 @@
+"""Evaluation of KV-cache schemes against the raw cache on real text (`buttermilk eval-kv`)."""

@@ -1,0 +1,226 @@
+"""`buttermilk serve`'s supervisor: start the controller, gateway and engines; keep engines alive.
+
+Each child is a real OS process (`python -m services.cli <service> ...`) in its own process
+group, started with `BUTTERMILK_PARENT_PID` so it asks the kernel to signal it if the
+supervisor dies (`die_with_parent`), leaving no orphans even after `kill -9` of the
+supervisor. The supervisor:
+- restarts a dead engine at `epoch + 1` after telling the controller (`engine_dead`), with
+  backoff, and gives up (exit 1) after `MAX_RESTARTS` within `RESTART_WINDOW_S`;
+- treats the death of the controller or gateway as fatal (exit 1), and any child exiting
+  with status 2 (a configuration error, e.g. an unusable model or context) too (exit 2): it
+  stops everything first;
+- on SIGINT/SIGTERM sends SIGTERM to every child's process group, waits `STOP_GRACE_S`, then
+  SIGKILLs what is left, and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import zmq
+
+from shared.logging import get_logger
+from shared.protocol import EngineDead, Health, HealthOk, decode, encode
+
+PARENT_PID_ENV = "BUTTERMILK_PARENT_PID"
+POLL_S = 0.1
+STOP_GRACE_S = 10.0
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+EXIT_USAGE = 2  # a child's configuration error (cli.main's user-error status)
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    """How to start one service; engines get `--epoch` appended per start."""
+
+    name: str  # "controller", "gateway" or an engine id
+    argv: tuple[str, ...]  # arguments after `python -m services.cli`
+    is_engine: bool = False
+
+
+@dataclass(slots=True)
+class Child:
+    spec: ChildSpec
+    proc: subprocess.Popen
+    epoch: int = 0
+    restarts: deque = field(default_factory=deque)  # monotonic times of recent restarts
+    restart_at: float | None = None  # monotonic seconds; set once its exit was handled
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorPlan:
+    controller: ChildSpec
+    gateway: ChildSpec
+    engines: tuple[ChildSpec, ...]
+    controller_address: str  # to send `engine_dead`
+    client_address: str  # to probe health until ready
+
+
+class Supervisor:
+    """Runs a `SupervisorPlan` until a signal or a fatal child exit; see the module docstring."""
+
+    def __init__(self, plan: SupervisorPlan):
+        self.plan = plan
+        self.log = get_logger("supervisor")
+        self.children: dict[str, Child] = {}
+        self._stop_signal: int | None = None
+        self._ctx = zmq.Context()
+        self._controller = self._dealer(plan.controller_address)
+
+    def run(self) -> int:
+        """Start everything and supervise; returns the exit status for `serve`."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            self._start(self.plan.controller)
+            self._start(self.plan.gateway)
+            for spec in self.plan.engines:
+                self._start(spec)
+            status = self._supervise()
+        finally:
+            self._stop_all()
+            self._controller.close(linger=0)
+            self._ctx.term()
+        return status
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self._stop_signal = signum
+
+    def _supervise(self) -> int:
+        ready = False
+        while self._stop_signal is None:
+            for child in list(self.children.values()):
+                if child.restart_at is not None:
+                    self._restart_if_due(child)
+                elif (status := child.proc.poll()) is not None:
+                    fatal = self._on_exit(child, status)
+                    if fatal is not None:
+                        return fatal
+            if not ready:
+                ready = self._announce_ready()
+            time.sleep(POLL_S)
+        self.log.info("stopping", signal=signal.Signals(self._stop_signal).name)
+        return 0
+
+    def _on_exit(self, child: Child, status: int) -> int | None:
+        """Handle a child's exit; returns an exit status when it is fatal for `serve`."""
+        name = child.spec.name
+        if status == EXIT_USAGE:
+            self.log.error("config_error", service=name, status=status)
+            return EXIT_USAGE
+        if not child.spec.is_engine:
+            self.log.error("service_died", service=name, status=status)
+            return 1
+        self.log.warning("engine_died", engine_id=name, epoch=child.epoch, status=status)
+        self._send_engine_dead(name, child.epoch)
+        now = time.monotonic()
+        while child.restarts and now - child.restarts[0] > RESTART_WINDOW_S:
+            child.restarts.popleft()
+        if len(child.restarts) >= MAX_RESTARTS:
+            self.log.error("engine_restart_limit", engine_id=name, restarts=len(child.restarts))
+            return 1
+        child.restart_at = now + min(0.25 * 2 ** len(child.restarts), 5.0)
+        return None
+
+    def _restart_if_due(self, child: Child) -> None:
+        now = time.monotonic()
+        if now >= child.restart_at:
+            child.restarts.append(now)
+            self._start(child.spec, epoch=child.epoch + 1, restarts=child.restarts)
+
+    def _start(self, spec: ChildSpec, *, epoch: int = 0, restarts: deque | None = None) -> None:
+        argv = [sys.executable, "-m", "services.cli", *spec.argv]
+        if spec.is_engine:
+            argv += ["--epoch", str(epoch)]
+        env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
+        proc = subprocess.Popen(argv, env=env, start_new_session=True)
+        self.children[spec.name] = Child(spec, proc, epoch, restarts if restarts is not None else deque())
+        self.log.info("started", service=spec.name, pid=proc.pid, epoch=epoch if spec.is_engine else None)
+
+    def _stop_all(self) -> None:
+        """SIGTERM every child's process group, wait, then SIGKILL what is left."""
+        live = [c for c in self.children.values() if c.proc.poll() is None]
+        for child in live:
+            _signal_group(child.proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in live:
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log.warning("kill", service=child.spec.name, pid=child.proc.pid)
+        for child in self.children.values():
+            _signal_group(child.proc, signal.SIGKILL)  # stragglers in its group, if any
+            child.proc.wait()
+
+    def _dealer(self, address: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        return sock
+
+    def _send_engine_dead(self, engine_id: str, epoch: int) -> None:
+        try:
+            self._controller.send(encode(EngineDead(engine_id=engine_id, epoch=epoch)), zmq.NOBLOCK)
+        except zmq.Again:
+            self.log.warning("engine_dead_not_sent", engine_id=engine_id)
+
+    def _announce_ready(self) -> bool:
+        """Probe the gateway's health once; log `ready` when every engine is live."""
+        probe = self._dealer(self.plan.client_address)
+        try:
+            probe.send(encode(Health()))
+            if not probe.poll(timeout=200):
+                return False
+            reply = decode(probe.recv())
+        finally:
+            probe.close(linger=0)
+        if isinstance(reply, HealthOk) and reply.engines_live >= len(self.plan.engines):
+            self.log.info("ready", address=self.plan.client_address, engines=reply.engines_live)
+            print(f"buttermilk: serving on {self.plan.client_address} "
+                  f"({reply.engines_live} engines)", file=sys.stderr, flush=True)  # fmt: skip
+            return True
+        return False
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already
+
+
+def die_with_parent() -> None:
+    """When started by the supervisor, have the kernel SIGTERM this process if it dies (Linux).
+
+    Also exits at once if the supervisor is already gone (re-parented before the call).
+    """
+    parent = os.environ.get(PARENT_PID_ENV)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        sys.exit(1)
+
+
+def install_stop_handlers(stop) -> None:
+    """Call `stop()` on SIGINT and SIGTERM (on the running asyncio loop, if there is one)."""
+    import asyncio
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda _s, _f: stop())
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)

@@ -1,0 +1,170 @@
+"""Helpers for the pipeline tests: a real `buttermilk serve` in a subprocess, and waits on it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.client import AsyncClient, ServerError
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 180.0
+SERVER_FLAGS = ("--capacity-tokens", "4096", "--max-slots", "8", "--step-token-budget", "256",
+                "--max-context", "256")  # fmt: skip
+MAX_CONTEXT = 256
+
+
+def free_tcp_address() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def child_pids(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(poll_s)
+
+
+@dataclass
+class Server:
+    """A `buttermilk serve` process and where to reach it."""
+
+    proc: subprocess.Popen
+    address: str
+    run_dir: Path
+    log_path: Path
+    num_engines: int
+    children: list[int] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, tmp: Path, *flags: str, engines: int = 1) -> Server:
+        address = free_tcp_address()
+        run_dir = tmp / "run"
+        log_path = tmp / "serve.log"
+        argv = [sys.executable, "-m", "services.cli", "serve", "--model", "default", "--address", address,
+                "--engines", str(engines), "--run-dir", str(run_dir), *SERVER_FLAGS, *flags]  # fmt: skip
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        server = cls(proc, address, run_dir, log_path, engines)
+        server.wait_ready()
+        server.children = child_pids(proc.pid)
+        return server
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                health = run(health_of(self.address))
+            except (TimeoutError, ServerError):
+                return False
+            return health.engines_live == self.num_engines
+
+        wait_until(ready, START_TIMEOUT_S, "the server to be ready", poll_s=0.5)
+
+    def stop(self) -> int:
+        """SIGTERM the supervisor; returns its exit status after checking nothing is left."""
+        pids = set(self.children) | set(child_pids(self.proc.pid))
+        self.proc.send_signal(signal.SIGTERM)
+        status = self.proc.wait(timeout=30)
+        wait_until(lambda: not any(is_alive(p) for p in pids), 10, "every child to exit")
+        return status
+
+    def kill_everything(self) -> None:
+        """Last-resort cleanup for a failed test: SIGKILL the supervisor's group and children."""
+        for pid in set(self.children) | set(child_pids(self.proc.pid)):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def run(coro):
+    """Run a coroutine to completion on a fresh event loop (for sync fixtures)."""
+    return asyncio.run(coro)
+
+
+async def health_of(address: str):
+    async with AsyncClient(address) as client:
+        return await client.health(timeout_s=1.0)
+
+
+async def stats_of(address: str):
+    async with AsyncClient(address) as client:
+        return await client.stats()
+
+
+def is_idle(stats, *, sessions: int = 0) -> bool:
+    """No reservations, leases, queued or active requests, held tokens or slots (but `sessions`)."""
+    pool = stats.pool
+    counts = (stats.num_reservations, stats.num_leases, stats.num_sessions, pool.active, pool.queued)
+    engines_idle = all(
+        e.reserved_tokens == 0 and (sessions or (e.held_tokens == 0 and e.used_slots == 0 and e.engine_tokens == 0))
+        for e in stats.engines
+    )
+    return counts == (0, 0, sessions, 0, 0) and engines_idle
+
+
+async def wait_idle(address: str, *, sessions: int = 0, timeout_s: float = 10.0):
+    """Poll `stats` until the server is idle; returns the last stats (raises on timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await stats_of(address)
+        if is_idle(stats, sessions=sessions):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout_s} s: {stats}")
+        await asyncio.sleep(0.2)
+
+
+def reference_generation(loaded, token_ids: list[int], max_tokens: int, max_context: int = MAX_CONTEXT):
+    """Greedy in-process generation with a raw KVCache: (text, token ids incl. EOS, reason)."""
+    from services.engine.cache import CacheOptions, make_layer_caches
+    from services.engine.generate import GenerationStats, generate
+    from services.engine.sampling import SamplingParams
+
+    caches = make_layer_caches(loaded.model, CacheOptions(max_context=max_context))
+    stats = GenerationStats()
+    params = SamplingParams(max_tokens=max_tokens)
+    text = "".join(generate(loaded.model, loaded.tokenizer, token_ids, caches, params,
+                            max_context=max_context, stats=stats))  # fmt: skip
+    return text, stats.token_ids, stats.finish_reason

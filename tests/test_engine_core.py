@@ -1,0 +1,289 @@
+"""EngineCore: continuous batching against plain single-sequence greedy loops, sessions, aborts, stats."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from services.engine.cache import CacheOptions, Window, make_layer_caches
+from services.engine.cache.pages import LayerBudget, SlotTable
+from services.engine.cache.schemes import SCHEMES
+from services.engine.core import EngineCore
+from services.engine.generate import GenerationStats, generate
+from services.engine.model.loader import LoadedModel
+from services.engine.request import Request, RequestStatus
+from services.engine.sampling import RequestSampler, SamplingParams
+from services.engine.scheduler import Scheduler
+from shared.errors import BadRequest, CapacityExhausted, ContextOverflow
+
+VOCAB = 128
+COMPRESSED = "aura4v4" if "aura4v4" in SCHEMES else None  # decoded in KVCache too (affine decode attends on packed codes)
+
+
+def tiny_loaded(model, eos=()) -> LoadedModel:
+    config = dataclasses.asdict(model.args)
+    return LoadedModel(model=model, tokenizer=SimpleNamespace(eos_token_ids=set(eos)), path=Path("tiny"), config=config)
+
+
+def make_core(loaded, *, scheme="raw", window=None, max_context=4096, capacity_tokens=2048, **kwargs) -> EngineCore:
+    options = CacheOptions(scheme=scheme, max_context=max_context, window=window)
+    kwargs = {"max_slots": 8, "step_token_budget": 32, "page_size": 16} | kwargs
+    return EngineCore(loaded, options, capacity_tokens=capacity_tokens, **kwargs)
+
+
+def greedy(model, options: CacheOptions, prompt, max_tokens, eos=()) -> list[int]:
+    """The reference: a plain greedy loop over fresh single-sequence caches."""
+    caches = make_layer_caches(model, options)
+    logits, out = model(mx.array(prompt)[None], cache=caches)[0, -1], []
+    while len(out) < max_tokens:
+        out.append(int(mx.argmax(logits).item()))
+        if out[-1] in eos:
+            break
+        logits = model(mx.array([out[-1:]]), cache=caches)[0, -1]
+    return out
+
+
+def drive(core: EngineCore, arrivals: dict[int, list[Request]], on_step=None) -> dict[str, dict]:
+    """Step until idle, adding `arrivals[step]` before each step; collect tokens and endings."""
+    results, step = {}, 0
+    while core.has_unfinished() or any(s >= step for s in arrivals):
+        for request in arrivals.get(step, []):
+            core.add_request(request)
+            results[request.request_id] = {"tokens": [], "reason": None, "outputs": []}
+        if on_step is not None:
+            on_step(step, core)
+        for out in core.step():
+            results[out.request_id]["tokens"] += out.new_token_ids
+            results[out.request_id]["outputs"].append(out)
+            results[out.request_id]["reason"] = out.finish_reason
+        step += 1
+    return results
+
+
+def random_prompts(lengths, seed=0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, n).tolist() for n in lengths]
+
+
+def assert_all_free(core: EngineCore) -> None:
+    stats = core.stats()
+    assert (stats.free_tokens, stats.used_slots, stats.per_request) == (stats.capacity_tokens, 0, {})
+
+
+CASES = [("raw", None), ("raw", Window(20, 4))] + ([(COMPRESSED, None)] if COMPRESSED else [])
+
+
+@pytest.mark.parametrize("scheme,window", CASES, ids=[f"{s}-{w}" for s, w in CASES])
+def test_each_request_gets_the_tokens_it_gets_alone(tiny_llama, scheme, window):
+    core = make_core(tiny_loaded(tiny_llama), scheme=scheme, window=window)
+    prompts = random_prompts([1, 5, 12, 33, 70, 9, 45])
+    max_tokens = [12, 20, 16, 9, 14, 18, 11]
+    joins = [0, 0, 1, 3, 4, 6, 9]  # the 70-token prompt is chunked under the budget while others decode
+    arrivals = {}
+    for i, (prompt, n, step) in enumerate(zip(prompts, max_tokens, joins)):
+        arrivals.setdefault(step, []).append(Request(f"r{i}", prompt, SamplingParams(max_tokens=n)))
+    results = drive(core, arrivals)
+    options = core.options
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        assert results[f"r{i}"]["tokens"] == greedy(tiny_llama, options, prompt, n), f"r{i}"
+        assert results[f"r{i}"]["reason"] == "length"
+    assert_all_free(core)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("scheme", ["raw"] + ([COMPRESSED] if COMPRESSED else []))
+def test_default_model_batch_matches_generate_alone(default_model, scheme):
+    tok = default_model.tokenizer
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
+             "1, 2, 3, 4,", "The quick brown fox", "Water boils at a temperature of"]
+    prompts = [tok.encode(t) for t in texts]
+    options = CacheOptions(scheme=scheme, max_context=2048)
+    core = EngineCore(default_model, options, capacity_tokens=1024, max_slots=8, step_token_budget=16)
+    arrivals = {}
+    for i, prompt in enumerate(prompts):
+        arrivals.setdefault(i // 2 * 3, []).append(Request(f"r{i}", prompt, SamplingParams(max_tokens=16)))
+    results = drive(core, arrivals)
+    for i, prompt in enumerate(prompts):
+        stats = GenerationStats()
+        caches = make_layer_caches(default_model.model, options)
+        list(generate(default_model.model, tok, prompt, caches, SamplingParams(max_tokens=16), max_context=2048, stats=stats))
+        assert results[f"r{i}"]["tokens"] == stats.token_ids, texts[i]
+    assert_all_free(core)
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_llama):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=15)
+    prompt = random_prompts([6], seed=2)[0]
+    alone = drive(make_core(tiny_loaded(tiny_llama)), {0: [Request("s", prompt, params)]})
+    others = [Request(f"o{i}", p, SamplingParams(max_tokens=20, temperature=0.7 * i, seed=i))
+              for i, p in enumerate(random_prompts([3, 11, 30], seed=9))]
+    batched = drive(make_core(tiny_loaded(tiny_llama)), {0: others[:2], 1: [Request("s", prompt, params)], 2: others[2:]})
+    assert batched["s"]["tokens"] == alone["s"]["tokens"]
+    # The same draws as the request's own sampler over a single-sequence cache.
+    caches, sampler = make_layer_caches(tiny_llama, CacheOptions(max_context=4096)), RequestSampler(params)
+    logits, expected = tiny_llama(mx.array(prompt)[None], cache=caches)[0, -1], []
+    for _ in range(15):
+        expected.append(int(sampler(logits).item()))
+        logits = tiny_llama(mx.array([expected[-1:]]), cache=caches)[0, -1]
+    assert alone["s"]["tokens"] == expected
+
+
+def test_eos_ends_a_request_with_stop(tiny_llama):
+    prompt = random_prompts([8], seed=4)[0]
+    eos = greedy(tiny_llama, CacheOptions(max_context=4096), prompt, 6)[3]
+    results = drive(make_core(tiny_loaded(tiny_llama, eos=[eos])), {0: [Request("r", prompt, SamplingParams(max_tokens=50))]})
+    expected = greedy(tiny_llama, CacheOptions(max_context=4096), prompt, 50, eos=[eos])
+    assert results["r"]["tokens"] == expected and expected[-1] == eos
+    assert results["r"]["reason"] == "stop"
+
+
+def test_max_tokens_is_capped_to_the_context(tiny_llama):
+    core = make_core(tiny_loaded(tiny_llama), max_context=20)
+    results = drive(core, {0: [Request("r", list(range(15)), SamplingParams(max_tokens=50))]})
+    assert len(results["r"]["tokens"]) == 5 and results["r"]["reason"] == "length"
+
+
+@pytest.mark.parametrize("window", [None, Window(8, 2)], ids=["full", "window8"])
+@pytest.mark.parametrize("ending", ["length", "stop", "cancelled"])
+def test_a_session_turn_prefills_only_its_new_tokens(tiny_llama, window, ending):
+    options = CacheOptions(max_context=4096, window=window)
+    first, second = random_prompts([11, 7], seed=6)
+    eos = [greedy(tiny_llama, options, first, 8)[5]] if ending == "stop" else []
+    core = make_core(tiny_loaded(tiny_llama, eos=eos), window=window)
+    prefilled = []
+    schedule = core.scheduler.schedule
+
+    def spy():
+        plan = schedule()
+        prefilled.extend(chunk.num_tokens for chunk in plan.prefills)
+        return plan
+
+    core.scheduler.schedule = spy
+    abort_at = {4: lambda c: c.abort(["t1"])} if ending == "cancelled" else {}
+    turn1 = drive(core, {0: [Request("t1", first, SamplingParams(max_tokens=8), session_id="s")]},
+                  on_step=lambda step, c: abort_at.get(step, lambda _: None)(c))
+    assert turn1["t1"]["reason"] == ending
+    said = turn1["t1"]["tokens"]
+    # After "length" the last token was read back but never fed to the model: the next turn computes it.
+    # After "stop" and "cancelled", a step launched before the ending already wrote it.
+    tail = 1 if ending == "length" else 0
+    assert core.stats().sessions == {"s": min(len(first) + len(said) - tail, window.max_size if window else 10**9)}
+    prefilled.clear()
+    turn2 = drive(core, {0: [Request("t2", second, SamplingParams(max_tokens=10), session_id="s")]})
+    assert prefilled == [tail + len(second)]
+    out = turn2["t2"]["outputs"][-1]
+    assert (out.num_cached_tokens, out.num_prompt_tokens) == (len(first) + len(said) - tail, len(first) + len(said) + len(second))
+    expected = greedy(tiny_llama, options, first + said + second, 10, eos=eos)
+    assert turn2["t2"]["tokens"] == expected
+    assert core.close_session("s") == out.tokens_held > 0
+    assert core.close_session("s") == 0
+    core.step()
+    assert_all_free(core)
+
+
+def test_abort_mid_stream_frees_storage_and_spares_the_others(tiny_llama):
+    core = make_core(tiny_loaded(tiny_llama))
+    prompts = random_prompts([4, 9, 17], seed=8)
+    requests = [Request(f"r{i}", p, SamplingParams(max_tokens=12)) for i, p in enumerate(prompts)]
+    seen = {}
+
+    def abort_r1(step, c):
+        if step == 5:
+            seen["before"] = c.stats().per_request["r1"]
+            c.abort(["r1", "r1", "unknown"])
+
+    results = drive(core, {0: requests}, on_step=abort_r1)
+    assert seen["before"][0] > 0 and results["r1"]["reason"] == "cancelled"
+    assert 0 < len(results["r1"]["tokens"]) < 12
+    final = results["r1"]["outputs"][-1]
+    assert (final.tokens_held, final.bytes_held, final.new_token_ids) == (0, 0, [])
+    for i in (0, 2):
+        assert results[f"r{i}"]["tokens"] == greedy(tiny_llama, core.options, prompts[i], 12)
+    assert_all_free(core)
+
+
+def test_a_stream_that_cannot_grow_fails_alone(tiny_llama):
+    core = make_core(tiny_loaded(tiny_llama), capacity_tokens=48, page_size=16)
+    long_prompt, short_prompt = random_prompts([16, 4], seed=10)
+    results = drive(core, {0: [Request("long", long_prompt, SamplingParams(max_tokens=100)),
+                               Request("short", short_prompt, SamplingParams(max_tokens=4))]})
+    assert results["short"]["tokens"] == greedy(tiny_llama, core.options, short_prompt, 4)
+    assert results["long"]["reason"] == "error"
+    assert isinstance(results["long"]["outputs"][-1].error, CapacityExhausted)
+    said = results["long"]["tokens"]
+    assert len(said) == 48 - 16 + 1 and said == greedy(tiny_llama, core.options, long_prompt, len(said))
+    assert_all_free(core)
+
+
+@pytest.mark.parametrize("request_,error", [
+    (Request("a", [], SamplingParams()), BadRequest),
+    (Request("a", [1, VOCAB], SamplingParams()), BadRequest),
+    (Request("a", [1, 2], SamplingParams(top_k=VOCAB)), BadRequest),
+    (Request("a", list(range(64)), SamplingParams()), ContextOverflow),
+    (Request("a", [1] * 40, SamplingParams()), CapacityExhausted),
+])
+def test_invalid_requests_raise_and_leave_no_state(tiny_llama, request_, error):
+    core = make_core(tiny_loaded(tiny_llama), max_context=64, capacity_tokens=32)
+    before = core.stats()
+    with pytest.raises(error):
+        core.add_request(request_)
+    assert core.stats() == before and not core.has_unfinished()
+
+
+def test_duplicate_ids_and_busy_sessions_are_bad_requests(tiny_llama):
+    core = make_core(tiny_loaded(tiny_llama))
+    core.add_request(Request("a", [1, 2], SamplingParams(), session_id="s"))
+    with pytest.raises(BadRequest, match="in use"):
+        core.add_request(Request("a", [3], SamplingParams()))
+    with pytest.raises(BadRequest, match="session"):
+        core.add_request(Request("b", [3], SamplingParams(), session_id="s"))
+    assert list(core.stats().per_request) == ["a"]
+
+
+def test_geometry_and_stats_describe_capacity(tiny_llama):
+    core = make_core(tiny_loaded(tiny_llama), capacity_tokens=100, page_size=16)
+    assert core.geometry == {
+        "n_layers": 2, "n_kv_heads": 2, "head_dim": 64, "dtype": "float32", "kv_cache": "raw", "page_size": 16,
+        "capacity_tokens": 96, "bytes_per_token": 2 * 2 * 2 * 64 * 4, "max_slots": 8, "max_context": 4096,
+        "window_tokens": None,
+    }
+    core.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=3)))
+    core.step()
+    stats = core.stats()
+    assert stats.per_request == {"r": (3, 3 * 2048)} and stats.free_tokens == 80 and stats.used_slots == 1
+
+
+def test_scheduler_gives_decodes_first_and_chunks_prompts_under_the_budget():
+    slots = SlotTable(num_pages=64, page_size=16, max_slots=4, layers=[LayerBudget(None, 1)])
+    scheduler = Scheduler(slots, step_token_budget=10, max_context=4096, eos_token_ids=())
+    for i in range(3):
+        scheduler.add(Request(f"d{i}", [1, 2], SamplingParams(max_tokens=10)))
+    first = scheduler.schedule()
+    assert [c.num_tokens for c in first.prefills] == [2, 2, 2] and not first.decodes
+    scheduler.update(first, {f"d{i}": 7 for i in range(3)})
+    scheduler.add(Request("long", list(range(30)), SamplingParams()))
+    sizes = []
+    for _ in range(5):
+        plan = scheduler.schedule()
+        assert len(plan.decodes) == 3 and sum(c.num_tokens for c in plan.prefills) <= 10 - 3
+        sizes += [c.num_tokens for c in plan.prefills]
+        scheduler.update(plan, {r.request_id: 7 for r in plan.sampling})
+    assert sizes == [7, 7, 7, 7, 2]
+
+
+def test_request_status_maps_to_finish_reasons_and_outputs_are_read_only():
+    request = Request("r", [1, 2], SamplingParams())
+    assert not request.is_finished and request.finish_reason is None and request.num_prompt_tokens == 2
+    request.append_output(5)
+    view = request.output_token_ids
+    assert list(view) == [5] and not hasattr(view, "append")
+    expected = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "cancelled", RequestStatus.FINISHED_ERROR: "error"}
+    for status, reason in expected.items():
+        request.status = status
+        assert request.is_finished and request.finish_reason == reason

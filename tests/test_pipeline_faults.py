@@ -1,0 +1,230 @@
+"""Admission, leases and failures against real processes: FIFO queueing, cancel while queued,
+a client that vanishes, `kill -9` of an engine, and clean shutdown.
+
+One server with two engines, at most two active requests and a queue of four is shared by
+the module. After every test the server must be idle again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from shared.client import AsyncClient, ServerError
+from shared.errors import ErrorCode
+
+from .pipeline_helpers import REPO, Server, child_pids, is_alive, run, stats_of, wait_idle, wait_until
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+LEASE_TTL_S = 2.0
+PROMPT = "Once upon a time, in a small village, there lived"  # long greedy continuation
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server.start(
+        tmp_path_factory.mktemp("serve-faults"), "--max-active-sessions", "2", "--max-queue", "4",
+        "--engine-timeout-s", "3", engines=2,
+    )  # fmt: skip
+    try:
+        yield srv
+    finally:
+        if srv.proc.poll() is None:
+            srv.kill_everything()
+
+
+@pytest.fixture(autouse=True)
+def idle_after(server):
+    yield
+    if server.proc.poll() is None:
+        run(wait_idle(server.address, timeout_s=LEASE_TTL_S + 10))
+
+
+def test_starts_follow_fifo_order(server):
+    async def client(index: int, first_token_at: dict[int, float]):
+        await asyncio.sleep(0.15 * index)  # fixes the arrival order at the gateway
+        async with AsyncClient(server.address) as c:
+            stream = await c.stream(prompt=PROMPT, max_tokens=6)
+            async for _ in stream:
+                first_token_at.setdefault(index, time.monotonic())
+            return stream.done
+
+    async def main():
+        first_token_at: dict[int, float] = {}
+        dones = await asyncio.gather(*(client(i, first_token_at) for i in range(6)))
+        return sorted(first_token_at, key=first_token_at.get), dones
+
+    starts, dones = run(main())
+    assert all(d.finish_reason in ("length", "stop") for d in dones), dones
+    # At most two run at once, so a request can only start after every request two or more
+    # places ahead of it has started (the two running ones may swap).
+    for pos, index in enumerate(starts):
+        assert all(earlier in starts[:pos] for earlier in range(index - 1)), starts
+
+
+def test_full_queue_is_overloaded_and_queued_cancel_is_immediate(server):
+    async def main():
+        async with AsyncClient(server.address) as c:
+            running = [await c.stream(prompt=PROMPT, max_tokens=120) for _ in range(2)]
+            for stream in running:
+                await stream.__anext__()  # both are generating now
+            queued = [await c.stream(prompt=PROMPT, max_tokens=4) for _ in range(4)]
+            await asyncio.sleep(0.2)
+            with pytest.raises(ServerError) as full:
+                await c.generate(prompt=PROMPT, max_tokens=4)
+            t0 = time.monotonic()
+            await queued[1].cancel()
+            cancelled = await queued[1].collect()
+            cancel_s = time.monotonic() - t0
+            stats = await c.stats()
+            for stream in [*running, queued[0], queued[2], queued[3]]:
+                await stream.cancel()
+                await stream.collect()
+            return full.value, cancelled, cancel_s, stats
+
+    full, cancelled, cancel_s, stats = run(main())
+    assert full.code == ErrorCode.OVERLOADED and full.retry_after_ms > 0
+    assert cancelled.finish_reason == "cancelled" and cancelled.usage.completion_tokens == 0
+    assert cancel_s < 1.0
+    assert (stats.pool.active, stats.pool.queued) == (2, 3)
+
+
+def test_vanished_client_lease_expires_and_releases_everything(server, tmp_path):
+    script = tmp_path / "vanish.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio, sys
+        from shared.client import AsyncClient
+
+        async def main():
+            c = AsyncClient({server.address!r})
+            await c.open_lease(ttl_s={LEASE_TTL_S})
+            await c.generate(prompt="hello", max_tokens=2, session_id="vanish-s", new_session=True)
+            stream = await c.stream(prompt={PROMPT!r}, max_tokens=200)
+            await stream.__anext__()
+            print("streaming", flush=True)
+            await asyncio.sleep(3600)
+
+        asyncio.run(main())
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "streaming"
+        held = run(stats_of(server.address))
+        assert (held.num_leases, held.num_sessions, held.num_reservations) == (1, 1, 1)
+        proc.kill()  # no lease_close, no cancel: the heartbeat just stops
+        proc.wait()
+        t0 = time.monotonic()
+        run(wait_idle(server.address, timeout_s=LEASE_TTL_S + 5))
+        assert time.monotonic() - t0 <= LEASE_TTL_S + 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_kill_engine_mid_stream(server):
+    async def main():
+        async with AsyncClient(server.address) as c:
+            streams = [await c.stream(prompt=PROMPT, max_tokens=60) for _ in range(2)]
+            for stream in streams:
+                await stream.__anext__()
+            before = await c.stats()
+            victim = next(e for e in before.engines if e.reserved_tokens > 0 and e.engine_id == "e0")
+            os.kill(victim.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            outcomes = await asyncio.gather(*(_finish(s) for s in streams))
+            return victim, outcomes, time.monotonic() - t0
+
+    victim, outcomes, elapsed = run(main())
+    failed = [o for o in outcomes if isinstance(o, ServerError)]
+    assert len(failed) == 1 and failed[0].code == ErrorCode.ENGINE_FAILED
+    assert [o.finish_reason for o in outcomes if not isinstance(o, ServerError)] == ["length"]
+    assert elapsed < 30
+
+    def restarted() -> bool:
+        stats = run(stats_of(server.address))
+        return any(e.engine_id == victim.engine_id and e.epoch == victim.epoch + 1 for e in stats.engines)
+
+    wait_until(restarted, 120, "the supervisor to restart the engine at epoch+1", poll_s=0.5)
+    server.wait_ready()
+
+    async def after():
+        async with AsyncClient(server.address) as c:
+            return await asyncio.gather(*(c.generate(prompt="Hello", max_tokens=3) for _ in range(4)))
+
+    assert all(r.usage.completion_tokens == 3 for r in run(after()))
+
+
+async def _finish(stream):
+    try:
+        return await stream.collect()
+    except ServerError as exc:
+        return exc
+
+
+def test_silent_engine_is_declared_dead_by_heartbeat_timeout(server):
+    """A frozen engine (SIGSTOP) is not an exit the supervisor sees: heartbeats catch it."""
+
+    async def main():
+        async with AsyncClient(server.address) as c:
+            stream = await c.stream(prompt=PROMPT, max_tokens=100)
+            await stream.__anext__()
+            stats = await c.stats()
+            frozen = next(e for e in stats.engines if e.reserved_tokens > 0)
+            os.kill(frozen.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            outcome = await _finish(stream)
+            return frozen, outcome, time.monotonic() - t0
+
+    frozen, outcome, elapsed = run(main())
+    try:
+        assert isinstance(outcome, ServerError) and outcome.code == ErrorCode.ENGINE_FAILED
+        assert elapsed < 3 + 3  # --engine-timeout-s 3, plus ticks
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)  # it learns its epoch is dead and exits for a restart
+
+    def restarted() -> bool:
+        stats = run(stats_of(server.address))
+        return any(e.engine_id == frozen.engine_id and e.epoch > frozen.epoch for e in stats.engines)
+
+    wait_until(restarted, 120, "the frozen engine to be replaced at a newer epoch", poll_s=0.5)
+    server.wait_ready()
+
+
+def test_shutdown_leaves_no_process_behind(server):
+    pids = child_pids(server.proc.pid)
+    assert len(pids) == 4  # controller, gateway, two engines
+    assert server.stop() == 0
+    assert not any(is_alive(p) for p in pids)
+
+
+def test_unusable_model_fails_fast_with_a_clear_message(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "serve", "--model", "/nonexistent/model", "--address",
+         f"ipc://{tmp_path}/c"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "/nonexistent/model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_engine_config_error_stops_serve_without_orphans(tmp_path):
+    argv = [sys.executable, "-m", "services.cli", "serve", "--model", "default", "--address",
+            f"ipc://{tmp_path}/c", "--max-context", "100000"]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen: set[int] = set()
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen |= set(child_pids(proc.pid))
+        time.sleep(0.1)
+    stderr = proc.communicate(timeout=30)[1]
+    assert proc.returncode == 2, stderr[-2000:]
+    assert "100000" in stderr
+    assert seen and not any(is_alive(p) for p in seen)
