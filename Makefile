@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PROMPT ?= The capital of France is
+PROMPT ?= What is the capital of France?
 
 .PHONY: setup demo test bench clean
 
@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/buttermilk generate --model default --prompt "$(PROMPT)" --max-tokens 24 --temperature 0
+	$(BIN)/python -m ops.demo --prompt "$(PROMPT)"
 
 # Tests run with OpenBLAS preloaded when it is installed (the CLI does the same by re-executing itself).
 test: setup

@@ -119,7 +119,7 @@ class Heartbeat(WireMessage):
     engine_id: Id
     epoch: Epoch
     num_running: Count = 0  # requests not finished (waiting or running)
-    num_waiting: Count = 0
+    num_waiting: Count = 0  # of those, waiting for a slot (0: not reported)
     tokens_used: Count = 0  # KV tokens held, requests and sessions together
     bytes_used: Count = 0
     used_slots: Count = 0  # slots held, sessions between turns included

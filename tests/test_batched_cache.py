@@ -6,15 +6,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models import llama
 from mlx_lm.models.cache import ArraysCache
 
-from services.engine import attention
 from services.engine.cache import CacheOptions, Window, make_layer_caches
-from services.engine.cache.batched import BatchedKVCache, PagedLayerCache
+from services.engine.cache.batched import BatchedKVCache
+from services.engine.cache.paged_layers import PagedLayerCache
 from services.engine.cache.protocol import AttendingCache
 from services.engine.cache.schemes import SCHEMES
 from shared.errors import CapacityExhausted, StaleSlot
+from tests.batching_helpers import make_tiny_mixed_llama
 
 VOCAB = 128
 COMPRESSED = [s for s in ("affine8", "aura4v4") if s in SCHEMES]
@@ -82,9 +82,12 @@ def test_batched_forwards_match_single_sequence_caches(tiny_llama, window, schem
     feed = [5, 17, 99, 3, 64, 2, 7, 11, 90, 1, 42, 8, 13, 21]
     cache = make_cache(tiny_llama, options)
     batched = run_batched(tiny_llama, cache, prompts, chunks, feed)
+    # KVCache attends on packed affine codes when decoding (quantized_matmul); we decode the
+    # codes first: the same math, rounded differently.
+    atol = 5e-3 if scheme.startswith("affine") else 2e-4
     for prompt, sizes, rows in zip(prompts, chunks, batched):
         expected = reference_logits(tiny_llama, options, prompt, sizes, feed)
-        np.testing.assert_allclose(np.array(mx.stack(rows)), np.array(mx.stack(expected)), atol=2e-4)
+        np.testing.assert_allclose(np.array(mx.stack(rows)), np.array(mx.stack(expected)), atol=atol)
 
 
 def test_mixed_full_and_sliding_layers_match_single_sequence(tiny_mixed_llama):
@@ -205,14 +208,4 @@ def test_recurrent_layers_are_refused_clearly():
 
 @pytest.fixture(scope="module")
 def tiny_mixed_llama():
-    """Layer 0 full attention, layer 1 an architectural sliding window of 6 tokens."""
-    attention.install()
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB, head_dim=32, tie_word_embeddings=True,
-        max_position_embeddings=4096, layer_types=["full_attention", "sliding_attention"], sliding_window=6,
-    )
-    mx.random.seed(1)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
+    return make_tiny_mixed_llama(vocab=VOCAB)

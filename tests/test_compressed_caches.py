@@ -8,7 +8,6 @@ of the same cache continued in another process.
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 
@@ -185,7 +184,7 @@ def test_inspect_reports_raw_layers_bits_and_ratio_per_layer():
 
 @pytest.mark.parametrize("codec", [
     RawCodec(mx.bfloat16), AffineCodec(4, 32, mx.float16), AffineCodec(8, 64, mx.float32, scale_dtype=mx.float32),
-    AuraCodec(5, 1234, mx.float32), AuraCodec(2, 7, mx.bfloat16, scale_rule="plain"),
+    AuraCodec(5, 1234, mx.float32), AuraCodec(2, 7, mx.bfloat16),
 ])
 def test_codec_meta_round_trips(codec):
     rebuilt = codec_from_meta(codec.meta())
@@ -204,13 +203,6 @@ def test_load_rejects_foreign_safetensors(tmp_path):
     mx.save_safetensors(str(path), {"x": mx.zeros(3)}, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="not a buttermilk.kv_caches"):
         load_caches(path)
-
-
-def test_aura_plain_scale_is_norm_over_sqrt_d():
-    x = mx.array(np.random.default_rng(6).standard_normal((1, 1, 5, D)).astype(np.float32))
-    _, scales = AuraCodec(2, 9, mx.float32, scale_rule="plain").encode(x)
-    want = np.linalg.norm(np.array(x, dtype=np.float64), axis=-1, keepdims=True) / math.sqrt(D)
-    np.testing.assert_allclose(np.array(scales.astype(mx.float32)), want, rtol=2**-11)
 
 
 CONTINUE_IN_SUBPROCESS = """
@@ -236,3 +228,17 @@ def test_aura_cache_continues_identically_in_a_fresh_process(tiny_llama, tmp_pat
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "there.npy"), here)
+
+
+def test_layer_override_gives_one_layer_another_scheme(tiny_llama):
+    caches = make_layer_caches(tiny_llama, CacheOptions(scheme="aura4v2+1=aura8v8", max_context=256))
+    tiny_llama(mx.array(np.random.default_rng(8).integers(0, 128, (1, 10))), cache=caches)
+    assert [c.nbytes for c in caches] == [10 * N_KV_HEADS * sum(HAND_BYTES[s]) for s in ("aura4v2", "aura8v8")]
+    # Layer 1's rotation seeds are its own, as if the whole model ran aura8v8.
+    assert caches[1].key_codec.meta() == make_codecs("aura8v8", layer=1, dtype=mx.float32)[0].meta()
+
+
+@pytest.mark.parametrize("scheme", ["aura4v4+x=raw", "aura4v4+1=", "aura4v4+1=zip", "zip+1=raw", "aura4v4+1=raw+1=raw"])
+def test_malformed_layer_overrides_are_rejected(scheme):
+    with pytest.raises(ValueError, match="zip|override"):
+        make_codecs(scheme, layer=0, dtype=mx.float32)

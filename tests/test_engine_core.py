@@ -20,9 +20,11 @@ from services.engine.request import Request, RequestStatus
 from services.engine.sampling import RequestSampler, SamplingParams
 from services.engine.scheduler import Scheduler
 from shared.errors import BadRequest, CapacityExhausted, ContextOverflow
+from tests.batching_helpers import make_tiny_mixed_llama
 
 VOCAB = 128
-COMPRESSED = "aura4v4" if "aura4v4" in SCHEMES else None  # decoded in KVCache too (affine decode attends on packed codes)
+# KVCache decodes AURA codes too (affine decode attends on packed codes, rounded differently).
+COMPRESSED = "aura4v4" if "aura4v4" in SCHEMES else None
 
 
 def tiny_loaded(model, eos=()) -> LoadedModel:
@@ -95,6 +97,18 @@ def test_each_request_gets_the_tokens_it_gets_alone(tiny_llama, scheme, window):
     assert_all_free(core)
 
 
+def test_mixed_full_and_sliding_layers_in_the_engine():
+    model = make_tiny_mixed_llama(vocab=VOCAB)
+    core = make_core(tiny_loaded(model), page_size=4)
+    prompts, max_tokens = random_prompts([3, 20, 9, 1], seed=12), [14, 9, 12, 16]
+    arrivals = {i: [Request(f"r{i}", prompts[i], SamplingParams(max_tokens=max_tokens[i]))] for i in range(4)}
+    results = drive(core, arrivals)
+    for i, prompt in enumerate(prompts):
+        assert results[f"r{i}"]["tokens"] == greedy(model, core.options, prompt, max_tokens[i]), f"r{i}"
+    assert core.geometry["window_tokens"] is None  # the full layer keeps everything
+    assert_all_free(core)
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("scheme", ["raw"] + ([COMPRESSED] if COMPRESSED else []))
 def test_default_model_batch_matches_generate_alone(default_model, scheme):
@@ -111,7 +125,8 @@ def test_default_model_batch_matches_generate_alone(default_model, scheme):
     for i, prompt in enumerate(prompts):
         stats = GenerationStats()
         caches = make_layer_caches(default_model.model, options)
-        list(generate(default_model.model, tok, prompt, caches, SamplingParams(max_tokens=16), max_context=2048, stats=stats))
+        params = SamplingParams(max_tokens=16)
+        list(generate(default_model.model, tok, prompt, caches, params, max_context=2048, stats=stats))
         assert results[f"r{i}"]["tokens"] == stats.token_ids, texts[i]
     assert_all_free(core)
 
@@ -122,7 +137,8 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_llama):
     alone = drive(make_core(tiny_loaded(tiny_llama)), {0: [Request("s", prompt, params)]})
     others = [Request(f"o{i}", p, SamplingParams(max_tokens=20, temperature=0.7 * i, seed=i))
               for i, p in enumerate(random_prompts([3, 11, 30], seed=9))]
-    batched = drive(make_core(tiny_loaded(tiny_llama)), {0: others[:2], 1: [Request("s", prompt, params)], 2: others[2:]})
+    arrivals = {0: others[:2], 1: [Request("s", prompt, params)], 2: others[2:]}
+    batched = drive(make_core(tiny_loaded(tiny_llama)), arrivals)
     assert batched["s"]["tokens"] == alone["s"]["tokens"]
     # The same draws as the request's own sampler over a single-sequence cache.
     caches, sampler = make_layer_caches(tiny_llama, CacheOptions(max_context=4096)), RequestSampler(params)
@@ -136,7 +152,8 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_llama):
 def test_eos_ends_a_request_with_stop(tiny_llama):
     prompt = random_prompts([8], seed=4)[0]
     eos = greedy(tiny_llama, CacheOptions(max_context=4096), prompt, 6)[3]
-    results = drive(make_core(tiny_loaded(tiny_llama, eos=[eos])), {0: [Request("r", prompt, SamplingParams(max_tokens=50))]})
+    core = make_core(tiny_loaded(tiny_llama, eos=[eos]))
+    results = drive(core, {0: [Request("r", prompt, SamplingParams(max_tokens=50))]})
     expected = greedy(tiny_llama, CacheOptions(max_context=4096), prompt, 50, eos=[eos])
     assert results["r"]["tokens"] == expected and expected[-1] == eos
     assert results["r"]["reason"] == "stop"
@@ -177,12 +194,12 @@ def test_a_session_turn_prefills_only_its_new_tokens(tiny_llama, window, ending)
     turn2 = drive(core, {0: [Request("t2", second, SamplingParams(max_tokens=10), session_id="s")]})
     assert prefilled == [tail + len(second)]
     out = turn2["t2"]["outputs"][-1]
-    assert (out.num_cached_tokens, out.num_prompt_tokens) == (len(first) + len(said) - tail, len(first) + len(said) + len(second))
+    history = len(first) + len(said)
+    assert (out.num_cached_tokens, out.num_prompt_tokens) == (history - tail, history + len(second))
     expected = greedy(tiny_llama, options, first + said + second, 10, eos=eos)
     assert turn2["t2"]["tokens"] == expected
     assert core.close_session("s") == out.tokens_held > 0
     assert core.close_session("s") == 0
-    core.step()
     assert_all_free(core)
 
 

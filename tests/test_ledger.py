@@ -326,8 +326,10 @@ class LedgerMachine(RuleBasedStateMachine):
                 session_id=session, engine_id=hint,
             )  # fmt: skip
         except (Overloaded, BadRequest, LeaseExpired):
-            # can_reserve ignores leases, so only a lease problem may disagree with it.
-            assert not could or lease_id is not None
+            # can_reserve ignores leases, so only a lease problem may disagree with it: the
+            # request's own lease, or a session held under some lease.
+            held = self.ledger.session(session) if session else None
+            assert not could or lease_id is not None or (held is not None and held.lease_id is not None)
             return
         assert could
         self.resvs.append(resv.resv_id)

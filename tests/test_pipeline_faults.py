@@ -228,3 +228,16 @@ def test_engine_config_error_stops_serve_without_orphans(tmp_path):
     assert proc.returncode == 2, stderr[-2000:]
     assert "100000" in stderr
     assert seen and not any(is_alive(p) for p in seen)
+
+
+def test_killed_supervisor_takes_its_children_along(tmp_path):
+    """`kill -9` of `serve` itself: the kernel signals every child (PR_SET_PDEATHSIG)."""
+    srv = Server.start(tmp_path, "--max-active-sessions", "1")
+    try:
+        pids = child_pids(srv.proc.pid)
+        assert len(pids) == 3
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait()
+        wait_until(lambda: not any(is_alive(p) for p in pids), 15, "every orphaned child to exit")
+    finally:
+        srv.kill_everything()

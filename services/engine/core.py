@@ -120,12 +120,17 @@ class EngineCore:
     def close_session(self, session_id: str) -> int:
         """Free a kept session's slot (after its turn in progress, which is aborted).
 
+        With no step in flight the pages are back on the free list when this returns;
+        otherwise they return after the step fence, like any release.
+
         Returns:
             int: tokens the slot held (0 if the session is unknown).
         """
         held, active = self.scheduler.close_session(session_id)
         if active is not None:
             self.abort([active.request_id])
+        elif held and self._in_flight is None:
+            self.runner.drain()
         return held
 
     def has_unfinished(self) -> bool:

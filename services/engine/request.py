@@ -114,11 +114,6 @@ class Request:
         return self.num_cached_tokens + len(self.prefill_token_ids)
 
     @property
-    def num_tokens(self) -> int:
-        """Prompt plus outputs read back (tokens)."""
-        return self.num_prompt_tokens + len(self._output_token_ids)
-
-    @property
     def is_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
 

@@ -1,12 +1,15 @@
 """The model runner: the only engine module that builds MLX arrays and evaluates them.
 
 A step is a list of forwards: one B=1 forward per prompt chunk, then one batched decode
-forward over every running stream (rows of different lengths, one token each). Steps are
-pipelined: the graph of each forward is built while the previous one computes, then the
-runner waits for that one and launches this one. It must wait before launching because a
-forward writes the page storage in place only when no pending work still reads it (MLX
-decides buffer donation when the work is launched); building ahead is what overlaps.
-The last forward of a step stays in flight while the engine reads back the step before.
+forward over every running stream (rows of different lengths, one token each). The decode
+forward is traced with `mx.compile` and replayed: building every layer's graph in Python
+each step is what bounds a GPU's decode rate at small batches.
+
+Steps are pipelined: each forward's graph is built while the previous one computes, then
+the runner waits for that one and launches this one. It must wait before launching because
+a forward writes the page storage in place only when no pending work still reads it (MLX
+decides buffer donation when the work is launched); building ahead is what overlaps. The
+last forward of a step stays in flight while the engine reads back the step before.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self._samplers: dict[str, RequestSampler] = {}
         self._last: Launch | None = None  # the latest launch, whose tokens feed the next decode
+        # Traced once per shape (rows, pages read) and replayed: building the graph of every
+        # layer in Python each step is what bounds a GPU's decode rate at small batches.
+        self._decode_logits = mx.compile(self._decode_graph)
 
     def run(self, plan: StepPlan) -> Launch:
         """Build and launch every forward of a step; the last one is left in flight.
@@ -69,7 +75,7 @@ class ModelRunner:
         for chunk in plan.prefills:
             self._launch(*self._prefill(chunk), launch)
         if plan.decodes:
-            self._launch(*self._decode(plan.decodes), launch)
+            self._launch([], *self._decode(plan.decodes), launch)
         self._last = launch
         return launch
 
@@ -99,13 +105,15 @@ class ModelRunner:
 
     # -- forwards ----------------------------------------------------------------
 
-    def _launch(self, batch, sampled: mx.array | None, requests: list[Request], launch: Launch) -> None:
+    def _launch(
+        self, prefetch: list[mx.array], sampled: mx.array | None, requests: list[Request], launch: Launch
+    ) -> None:
         """Wait for whatever is in flight, then launch this forward (see the module docstring)."""
         mx.synchronize()
         if self._last is not None:
             self._last.is_done = True
-        if batch.prefetch:
-            mx.eval(batch.prefetch)
+        if prefetch:
+            mx.eval(prefetch)
         outputs = [] if sampled is None else [sampled]
         mx.async_eval(*outputs, *self.cache.arrays)
         if sampled is not None:
@@ -117,34 +125,47 @@ class ModelRunner:
         batch = self.cache.batch([request.slot], chunk.num_tokens)
         logits = self.model(mx.array(chunk.token_ids, dtype=mx.uint32)[None], cache=batch.layers)
         if not chunk.is_last:
-            return batch, None, []  # the logits are never evaluated, so never computed
+            return batch.prefetch, None, []  # the logits are never evaluated, so never computed
         token = self._sampler(request)(logits[0, -1])
-        return batch, token.reshape(1).astype(mx.uint32), [request]
+        return batch.prefetch, token.reshape(1).astype(mx.uint32), [request]
 
     def _decode(self, requests: tuple[Request, ...]):
         """Build the batched decode forward: one token per row, each row at its own position."""
-        inputs = self._decode_inputs(requests)
-        batch = self.cache.batch([r.slot for r in requests], 1)
-        logits = self.model(inputs[:, None], cache=batch.layers)[:, -1]
+        indices = self.cache.decode_indices([r.slot for r in requests])
+        logits, arrays = self._decode_logits(self._input_tokens(requests), indices, self.cache.arrays)
+        self.cache.replace_arrays(arrays)
         tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)  # greedy rows, all at once
         drawn = [i for i, r in enumerate(requests) if r.params.temperature > 0]
         if drawn:
             samples = [self._sampler(requests[i])(logits[i]) for i in drawn]
             tokens[mx.array(drawn)] = mx.stack(samples).astype(mx.uint32)
-        return batch, tokens, list(requests)
+        return tokens, list(requests)
 
-    def _decode_inputs(self, requests: tuple[Request, ...]) -> mx.array:
-        """uint32 [B]: each row's latest token, taken from the last launch when not read back yet."""
+    def _decode_graph(self, tokens: mx.array, indices: list[list[mx.array]], arrays: list[mx.array]):
+        """The traced decode forward: logits [B, vocab] and the written storage arrays."""
+        layers, storage = self.cache.decode_layers(arrays, indices)
+        logits = self.model(tokens[:, None], cache=layers)[:, -1]
+        return logits, storage.arrays
+
+    def _input_tokens(self, requests: tuple[Request, ...]) -> mx.array:
+        """uint32 [B]: each row's latest token, from the last launch while it is not read back yet."""
         last = self._last
         rows = [None if last is None else last.rows.get(r.request_id) for r in requests]
-        known = [r.output_token_ids[-1] for r, row in zip(requests, rows) if row is None]
-        if not known and rows == list(range(len(last.request_ids))):
-            return last.tokens()
-        base = len(last.request_ids) if last is not None else 0
-        numbered = iter(range(base, base + len(known)))
-        index = [next(numbered) if row is None else row for row in rows]
-        parts = ([last.tokens()] if base else []) + [mx.array(known, dtype=mx.uint32)] * bool(known)
-        return mx.take(mx.concatenate(parts) if len(parts) > 1 else parts[0], mx.array(index))
+        if last is not None and rows == list(range(len(last.request_ids))):
+            return last.tokens()  # the common case: the last step's rows, in the same order
+        # Otherwise pick from the last launch's tokens followed by tokens already read back.
+        sampled = 0 if last is None else len(last.request_ids)
+        known, index = [], []
+        for request, row in zip(requests, rows):
+            if row is None:
+                index.append(sampled + len(known))
+                known.append(request.output_token_ids[-1])
+            else:
+                index.append(row)
+        pool = [last.tokens()] if sampled else []
+        if known:
+            pool.append(mx.array(known, dtype=mx.uint32))
+        return mx.take(mx.concatenate(pool), mx.array(index))
 
     def _sampler(self, request: Request) -> RequestSampler:
         if request.request_id not in self._samplers:

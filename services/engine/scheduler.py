@@ -164,7 +164,7 @@ class Scheduler:
             request.num_pending_outputs += 1
             decodes.append(request)
         for request in failed:
-            error = CapacityExhausted(f"the KV cache is full ({self.slots.capacity_tokens} tokens); request cannot grow")
+            error = CapacityExhausted(f"the KV cache is full ({self.slots.capacity_tokens} tokens): cannot grow")
             self.finish(request, RequestStatus.FINISHED_ERROR, error)
         return decodes, failed
 

@@ -77,7 +77,6 @@ class Snapshot:
     """What heartbeats report; replaced whole by the main thread, read by the socket thread."""
 
     num_running: int = 0
-    num_waiting: int = 0
     tokens_used: int = 0
     bytes_used: int = 0
     used_slots: int = 0
@@ -148,7 +147,11 @@ class EngineIO(threading.Thread):
             while sock in ready and sock.poll(0):
                 self._inbound(sock.recv_multipart(), source)
         while self._relay in ready and self._relay.poll(0):
-            ctl.send(self._relay.recv())
+            frame = self._relay.recv()
+            try:
+                ctl.send(frame, zmq.NOBLOCK)
+            except zmq.Again:  # the controller is gone long enough to fill the queue
+                self.log.warning("controller_unreachable_dropped_report")
 
     def _inbound(self, frames: list[bytes], source: str) -> None:
         try:
@@ -169,8 +172,8 @@ class EngineIO(threading.Thread):
         s = self.snapshot
         return Heartbeat(
             engine_id=self.hello.engine_id, epoch=self.hello.epoch, num_running=s.num_running,
-            num_waiting=s.num_waiting, tokens_used=s.tokens_used, bytes_used=s.bytes_used,
-            used_slots=s.used_slots, num_sessions=s.num_sessions,
+            tokens_used=s.tokens_used, bytes_used=s.bytes_used, used_slots=s.used_slots,
+            num_sessions=s.num_sessions,
         )  # fmt: skip
 
 

@@ -20,18 +20,25 @@ class StopMatcher:
         if self.stopped:
             return ""
         buf = self._pending + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        cut = self._first_match(buf)
+        held_from = len(buf) - self._longest_stop_prefix_suffix(buf)
+        if cut is not None and cut <= held_from:  # no longer stop can still start before it
             self.stopped, self._pending = True, ""
             return buf[:cut]
-        hold = self._longest_stop_prefix_suffix(buf)
-        self._pending = buf[len(buf) - hold :] if hold else ""
-        return buf[: len(buf) - hold]
+        self._pending = buf[held_from:]
+        return buf[:held_from]
 
     def flush(self) -> str:
-        """Release held-back text at the end of generation."""
-        out, self._pending = ("" if self.stopped else self._pending), ""
-        return out
+        """Release held-back text at the end of generation (cut at a stop it contains)."""
+        if self.stopped:
+            return ""
+        out, self._pending = self._pending, ""
+        cut = self._first_match(out)
+        self.stopped = cut is not None
+        return out if cut is None else out[:cut]
+
+    def _first_match(self, buf: str) -> int | None:
+        return min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=None)
 
     def _longest_stop_prefix_suffix(self, buf: str) -> int:
         best = 0

@@ -15,6 +15,7 @@ forward, not once per layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,16 +101,25 @@ def _stored(window: Window | None, num_seen: np.ndarray, width: int) -> tuple[np
     return positions, valid
 
 
-def _read_blocks(page_tables: np.ndarray, live: np.ndarray, *, n_kv_heads: int, page_size: int) -> np.ndarray:
-    """(page, head) blocks [B, n_kv_heads, pages] covering each row's live slots, padded with its first page."""
+def _read_blocks(
+    page_tables: np.ndarray, live: np.ndarray, width: int, *, n_kv_heads: int, page_size: int
+) -> np.ndarray:
+    """(page, head) blocks [B, n_kv_heads, width] covering each row's live slots, padded with its first page."""
     num_pages = -(-live // page_size)
-    width = int(num_pages.max())
-    pages = np.where(np.arange(width)[None, :] < num_pages[:, None], page_tables[:, :width], page_tables[:, :1])
+    tables = np.pad(page_tables, ((0, 0), (0, max(0, width - page_tables.shape[1]))))[:, :width]
+    pages = np.where(np.arange(width)[None, :] < num_pages[:, None], tables, page_tables[:, :1])
     return pages[:, None, :] * n_kv_heads + np.arange(n_kv_heads)[None, :, None]
 
 
 def plan_group(
-    window: Window | None, starts: np.ndarray, num_new: int, page_tables: np.ndarray, *, n_kv_heads: int, page_size: int
+    window: Window | None,
+    starts: np.ndarray,
+    num_new: int,
+    page_tables: np.ndarray,
+    *,
+    n_kv_heads: int,
+    page_size: int,
+    read_pages: Callable[[int], int] | None = None,
 ) -> GroupIndex:
     """Build the write/read indices and key positions of one forward for one window rule.
 
@@ -120,6 +130,8 @@ def plan_group(
         page_tables (np.ndarray): int64 [B, P], each row's pages (padded past its own).
         n_kv_heads (int): KV heads per layer.
         page_size (int): Token slots per page.
+        read_pages (Callable[[int], int] | None): Maps the pages the longest row needs to the
+            pages read per row (rounding up keeps traced shapes stable); None reads exactly those.
 
     Returns:
         GroupIndex: the plan every layer with this window rule follows.
@@ -128,7 +140,8 @@ def plan_group(
     shape = {"n_kv_heads": n_kv_heads, "page_size": page_size}
     read_first = window is not None and num_new > 1 and bool((starts + num_new > window.max_size).any())
     live = live_tokens(window, starts if read_first else starts + num_new)
-    blocks = _read_blocks(page_tables, live, **shape)
+    needed = int(-(-live.max() // page_size))
+    blocks = _read_blocks(page_tables, live, needed if read_pages is None else read_pages(needed), **shape)
     num_read = blocks.shape[2] * page_size
     keys, valid = _stored(window, starts if read_first else starts + num_new, num_read)
     if read_first:
@@ -155,6 +168,7 @@ def _ring_writes(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rows and sources of a chunk written into the ring: per slot only its newest position survives."""
     batch, num_new = queries.shape
+    shape = {"n_kv_heads": n_kv_heads, "page_size": page_size}
     rows, sources = [], []
     heads = np.arange(n_kv_heads)[:, None]
     for b in range(batch):
@@ -162,6 +176,6 @@ def _ring_writes(
         # np.unique on the reversed slots finds each slot's last occurrence in the chunk.
         _, first_from_end = np.unique(slots[::-1], return_index=True)
         chunk_index = num_new - 1 - first_from_end
-        rows.append(flat_rows(page_tables[b : b + 1], slots[None, chunk_index], n_kv_heads=n_kv_heads, page_size=page_size)[0])
-        sources.append((b * n_kv_heads + heads) * num_new + chunk_index[None, :])
-    return np.concatenate([r.reshape(-1) for r in rows]), np.concatenate([s.reshape(-1) for s in sources]).astype(np.int32)
+        rows.append(flat_rows(page_tables[b : b + 1], slots[None, chunk_index], **shape)[0].reshape(-1))
+        sources.append(((b * n_kv_heads + heads) * num_new + chunk_index[None, :]).reshape(-1))
+    return np.concatenate(rows), np.concatenate(sources).astype(np.int32)

@@ -106,7 +106,8 @@ class SlotTable:
         self.max_live_tokens: int | None = None if None in bounds else max(bounds)
         self._bytes_by_bound: dict[int | None, int] = {}  # window bound -> bytes per token of its layers
         for layer in self.layers:
-            self._bytes_by_bound[layer.max_live_tokens] = self._bytes_by_bound.get(layer.max_live_tokens, 0) + layer.bytes_per_token
+            bound = layer.max_live_tokens
+            self._bytes_by_bound[bound] = self._bytes_by_bound.get(bound, 0) + layer.bytes_per_token
         self._slots = [_Slot() for _ in range(max_slots)]
         self._free_slots = deque(range(max_slots))
         self._free_pages = deque(range(num_pages))

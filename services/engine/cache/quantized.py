@@ -2,26 +2,29 @@
 
 Attention paths. `KVCache` hands attention either decoded K/V (then `mx.fast` SDPA) or,
 where `attends_packed` says so, the packed affine fields (then `affine_attention`, two
-`mx.quantized_matmul` calls as in mlx-lm's quantized SDPA). Measured on the CPU backend
-(2 cores, OpenBLAS, mlx 0.32.4) for one layer of the default model (9 query heads, 3 KV
-heads, head_dim 64, float32 queries, float16 scales), median ms per call:
+`mx.quantized_matmul` calls as in mlx-lm's quantized SDPA). Measured with
+`python -m ops.bench_kv --mode attention` on the CPU backend (2 cores, OpenBLAS, mlx 0.32.4),
+one layer of the default model (9 query heads, 3 KV heads, head_dim 64, float32 queries,
+float16 affine scales), median ms per call ("dq": dequantize + SDPA, "pk": packed):
 
-| phase (queries L) | T    | affine8 dequant+SDPA | affine8 packed | affine4 dequant+SDPA | affine4 packed |
-|-------------------|------|------|------|------|------|
-| decode (1)        | 512  | 0.55 | 0.48 | 0.81 | 0.39 |
-| decode (1)        | 2048 | 1.97 | 1.66 | 2.33 | 1.44 |
-| decode (1)        | 8192 | 16.1 | 6.7  | 11.2 | 5.7  |
-| prefill (512)     | 512  | 35.6 | 153  | 37.7 | 151  |
-| prefill (512)     | 2048 | 161  | 611  | 163  | 635  |
-| prefill (512)     | 8192 | 637  | 2448 | 639  | 2514 |
+| phase (queries) | T    | raw  | affine8 dq | affine8 pk | affine4 dq | affine4 pk | aura4v4 dq |
+|-----------------|------|------|------------|------------|------------|------------|------------|
+| decode (1)      | 512  | 0.17 | 0.61       | 0.50       | 1.05       | 0.70       | 1.55       |
+| decode (1)      | 2048 | 0.77 | 2.04       | 1.52       | 2.61       | 1.52       | 6.53       |
+| decode (1)      | 8192 | 2.30 | 12.2       | 6.72       | 15.1       | 5.55       | 38.0       |
+| prefill (512)   | 512  | 35.9 | 37.8       | 153        | 36.5       | 147        | 40.3       |
+| prefill (512)   | 2048 | 158  | 159        | 592        | 157        | 604        | 167        |
+| prefill (512)   | 8192 | 618  | 674        | 2468       | 624        | 2430       | 659        |
 
 So decode runs on the packed codes (no dequantized copy of the history is made at all) and
-prefill dequantizes the live slice once per layer and uses the BLAS-backed SDPA; packed
-attention loses from 4 queries up (`PACKED_MAX_QUERIES`). AURA keeps the rotated-domain
-dequantize + SDPA path in both phases: its codebook is not affine, so `quantized_matmul`
-does not apply, and on this backend the codebook gather (`mx.take`, ~5.5 ns per element)
-dominates: a decode step at T = 8192 costs ~31 ms per layer against ~3 ms raw, with or
-without folding the per-vector scales into scores and probabilities (measured, no gain).
+prefill dequantizes the live slice once per layer and uses the BLAS-backed SDPA: the packed
+kernel is not BLAS-backed and loses about 4x there (a noisier sweep over 1, 2, 4 and 8
+queries put the crossover between 4 and 8; `PACKED_MAX_QUERIES = 1` keeps the choice per
+phase). AURA keeps the rotated-domain dequantize +
+SDPA path in both phases: its codebook is not affine, so `quantized_matmul` does not apply,
+and on this backend the codebook gather (`mx.take`, ~5.5 ns per element) dominates decode;
+folding the per-vector scales into scores and probabilities instead of the dequantized
+vectors measured no faster (31.1 against 32.9 ms at T = 8192).
 
 Source: CACHES.md "Bytes per token" and "AURA encode / decode"; mlx-lm
 `models/base.py::quantized_scaled_dot_product_attention`; TurboQuant (arXiv 2504.19874).
@@ -29,7 +32,6 @@ Source: CACHES.md "Bytes per token" and "AURA encode / decode"; mlx-lm
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -43,7 +45,6 @@ from .codecs import Fields
 AURA_SEED = 0x0A0A  # base of the per-layer rotation seeds; part of the stored format
 AFFINE_SCALE_DTYPE = mx.float16  # affine scales and biases, whatever the model dtype
 PACKED_MAX_QUERIES = 1  # most queries per call that attend on packed codes (see the table)
-AURA_SCALE_RULES = ("norm", "plain")
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -54,12 +55,15 @@ def dtype_name(dtype: mx.Dtype) -> str:
 class AffineCodec:
     """`mx.quantize` layout: packed uint32 codes and one float16 scale and bias per group.
 
-    Scales and biases are stored as float16 whatever the model dtype: against float32 they
-    save 0.5 bit per element at affine8/g64 and 1.0 at affine4/g32 (8.5 and 5.0 bits, as
-    CACHES.md counts), and on the default model they move mean KL(raw || scheme) by less
-    than the run-to-run noise (numbers in `services/eval/README.md`); bfloat16 would round
-    an 8-bit reconstruction by up to ~2.5 steps (see `kernels.affine`). Codes are chosen in
-    float32; the float16 rounding of scale and bias adds at most `2**-11 * (q|s| + |b|)`.
+    Scales and biases are stored as float16 whatever the model dtype. Against the float32
+    the CPU model would otherwise give them, they save 0.5 bit per element at affine8/g64 and
+    1.0 at affine4/g32 (8.5 and 5.0 bits, as CACHES.md counts), at no measurable cost on the
+    default model (2048 Lee tokens, mean KL / top-1): affine8 0.00040 / 98.83% against
+    0.00040 / 98.88% with float32, affine4 0.0615 / 86.67% against 0.0607 / 86.62%. bfloat16
+    (a GPU model's dtype) would round an 8-bit reconstruction by up to ~2.5 steps (see
+    `kernels.affine`); float16 keeps it under 0.2 step. Codes are chosen in float32; the
+    float16 rounding of scale and bias adds at most `2**-11 * (q|s| + |b|)`. K/V elements
+    must stay below float16's 65504 in magnitude (activations of every model we run do).
 
     Args:
         bits (int): Code width, 8 or 4 (also 2, 3, 5, 6).
@@ -107,20 +111,22 @@ class AuraCodec:
     token); the query is rotated by the key rotation and the attention output un-rotated by
     the value rotation, once per head (both rotations are orthogonal, so scores are exact).
 
+    The scale is the norm-corrected `||x|| / ||c[idx]||` at every width. The plain
+    `||x|| / sqrt(d)` has 1.7% lower MSE at 2 bits (d = 64), but on the default model it
+    measured worse as a cache (2048 Lee tokens, mean KL): aura4v2 0.181 with plain value
+    scales against 0.160, aura4v4 0.0545 plain against 0.0520. Keeping the norm exact matters
+    more than the MSE, so there is one format for every width.
+
     Args:
         bits (int): Index bits per coordinate, 2..8.
         seed (int): Rotation seed (per layer and per K/V); part of the stored format.
         dtype (mx.Dtype): Model dtype of decoded tensors.
-        scale_rule (str): `"norm"`: `||x|| / ||c[idx]||` (reconstruction keeps the norm);
-            `"plain"`: `||x|| / sqrt(d)`. Stored in `meta`, since decode reads both the same way.
 
     Source: TurboQuant (arXiv 2504.19874) without QJL; CACHES.md "AURA encode / decode".
     """
 
-    def __init__(self, bits: int, seed: int, dtype: mx.Dtype, *, scale_rule: str = "norm"):
-        if scale_rule not in AURA_SCALE_RULES:
-            raise ValueError(f"AURA scale_rule must be one of {AURA_SCALE_RULES}, got {scale_rule!r}")
-        self.bits, self.seed, self.dtype, self.scale_rule = bits, seed, dtype, scale_rule
+    def __init__(self, bits: int, seed: int, dtype: mx.Dtype):
+        self.bits, self.seed, self.dtype = bits, seed, dtype
         self.name = f"aura{bits}"
         self._rotation: RandomizedHadamard | None = None
 
@@ -132,12 +138,7 @@ class AuraCodec:
 
     def encode(self, x: mx.array) -> Fields:
         """Fields of `x` [B, H, L, D]: packed uint32 [B, H, L, D*bits/32], float16 scales [B, H, L, 1]."""
-        packed, scales = aura_encode(x, bits=self.bits, rotation=self.rotation(x.shape[-1]))
-        if self.scale_rule == "plain":
-            x = x.astype(mx.float32)
-            norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
-            scales = (norm / math.sqrt(x.shape[-1])).astype(SCALE_DTYPE)
-        return packed, scales
+        return tuple(aura_encode(x, bits=self.bits, rotation=self.rotation(x.shape[-1])))
 
     def decode(self, fields: Fields) -> mx.array:
         """`scale * c[idx]` [B, H, T, D] in the rotated domain, model dtype."""
@@ -153,8 +154,7 @@ class AuraCodec:
         return self.bits + 8 * SCALE_DTYPE.size / head_dim
 
     def meta(self) -> dict[str, str]:
-        return {"codec": "aura", "bits": str(self.bits), "seed": str(self.seed),
-                "scale_rule": self.scale_rule, "dtype": dtype_name(self.dtype)}
+        return {"codec": "aura", "bits": str(self.bits), "seed": str(self.seed), "dtype": dtype_name(self.dtype)}
 
 
 class Packed(NamedTuple):
