@@ -154,7 +154,7 @@ def median_ms(fn, repeats: int) -> float:
 def attention_row(model, scheme: str, context: int, num_queries: int, repeats: int) -> dict:
     """Time the attention paths of one layer's cache holding `context` random tokens."""
     from services.engine.cache import CacheOptions, make_layer_caches, model_dtype
-    from services.engine.cache.quantized import AffineCodec, affine_attention
+    from services.engine.cache.quantized import affine_attention, attends_packed
 
     cache = make_layer_caches(model, CacheOptions(scheme=scheme, max_context=context))[0]
     fill_random([cache], model, context, 4096)
@@ -172,7 +172,7 @@ def attention_row(model, scheme: str, context: int, num_queries: int, repeats: i
 
     row = {"scheme": scheme, "context_tokens": context, "queries": num_queries,
            "decoded_sdpa_ms": median_ms(decoded, repeats)}
-    if isinstance(kc, AffineCodec):
+    if attends_packed(kc, vc, 1):  # affine on a backend whose quantized_matmul takes these shapes
         row["packed_ms"] = median_ms(lambda: affine_attention(queries, keys, values, key_codec=kc, value_codec=vc,
                                                               scale=scale, mask=mask), repeats)
     return row

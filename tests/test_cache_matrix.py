@@ -117,15 +117,18 @@ def test_save_load_continues_with_identical_logits(run, tmp_path):
 
 
 # Floors on the default model, 512 Lee-corpus tokens in chunks of 128 (a shorter run than the
-# acceptance eval's 2048 in 256s, so its own measured values plus a margin): (max mean KL, min top-1).
+# acceptance eval's 2048 in 256s): (max mean KL, min top-1), about 1.3x the measured KL and 2-3
+# points under the measured top-1 (measured, mlx 0.32.4 CPU: affine8 0.00055 / 99.4%, affine4
+# 0.0757 / 87.9%, aura8v8 0.00019 / 99.4%, aura8v4 0.0084 / 96.3%, aura4v4 0.0547 / 89.8%,
+# aura4v2 0.178 / 78.5%, aura5v3 0.0425 / 90.6%).
 QUALITY_FLOORS = {
-    "affine8": (0.001, 0.97),
-    "affine4": (0.09, 0.83),
-    "aura8v8": (0.001, 0.97),
-    "aura8v4": (0.015, 0.92),
-    "aura4v4": (0.08, 0.83),
-    "aura4v2": (0.25, 0.72),
-    "aura5v3": (0.06, 0.85),
+    "affine8": (0.0008, 0.97),
+    "affine4": (0.095, 0.85),
+    "aura8v8": (0.0004, 0.97),
+    "aura8v4": (0.011, 0.94),
+    "aura4v4": (0.07, 0.87),
+    "aura4v2": (0.22, 0.76),
+    "aura5v3": (0.055, 0.88),
 }
 QUALITY_TOKENS, QUALITY_CHUNK = 512, 128
 

@@ -164,8 +164,13 @@ class Packed(NamedTuple):
 
 
 def attends_packed(key_codec, value_codec, num_queries: int) -> bool:
-    """Whether attention for `num_queries` queries should run on the packed codes (decode, affine)."""
-    return (num_queries <= PACKED_MAX_QUERIES
+    """Whether attention for `num_queries` queries runs on the packed codes: affine decode on CPU.
+
+    CPU only: on the CUDA backend (mlx 0.32.4, H200) `quantized_matmul` has no kernel for the
+    batched, broadcast shapes attention needs ("No implementation for problem shape"), and
+    on Metal the choice is unmeasured; there the decoded path runs.
+    """
+    return (num_queries <= PACKED_MAX_QUERIES and mx.default_device() == mx.cpu
             and isinstance(key_codec, AffineCodec) and isinstance(value_codec, AffineCodec))
 
 
