@@ -202,9 +202,10 @@ def run_prefill_memory(model, args) -> list[dict]:
         caches = make_layer_caches(model, CacheOptions(scheme=scheme, max_context=args.prefill_tokens))
         start = time.perf_counter()
         mx.eval(prefill(model, caches, ids, chunk=args.prefill_chunk))
+        seconds, peak = time.perf_counter() - start, mx.get_peak_memory()
         rows.append({"scheme": scheme, "prefill_tokens": args.prefill_tokens, "chunk": args.prefill_chunk,
-                     "seconds": time.perf_counter() - start, "kv_nbytes": sum(c.nbytes for c in caches),
-                     "peak_memory_bytes": mx.get_peak_memory(), "peak_over_weights_bytes": mx.get_peak_memory() - weights})
+                     "seconds": seconds, "kv_nbytes": sum(c.nbytes for c in caches),
+                     "peak_memory_bytes": peak, "peak_over_weights_bytes": peak - weights})
         print(json.dumps(rows[-1]), flush=True)
         del caches
     return rows
@@ -220,7 +221,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
     parser.add_argument("--fill-chunk", type=int, default=1024, help="tokens of random K/V written per call")
-    parser.add_argument("--prefill-queries", type=int, default=512, help="queries of the prefill phase (attention mode)")
+    parser.add_argument("--prefill-queries", type=int, default=512, help="prefill-phase queries (attention mode)")
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--prefill-chunk", type=int, default=512)
     return parser.parse_args()

@@ -146,7 +146,8 @@ def quality(default_model):
     def measure(scheme: str):
         if scheme not in memo:
             caches = make_layer_caches(model, CacheOptions(scheme=scheme, max_context=QUALITY_TOKENS))
-            memo[scheme] = score_chunks(logprob_chunks(model, caches, ids[:-1], chunk=QUALITY_CHUNK), reference, targets)
+            chunks = logprob_chunks(model, caches, ids[:-1], chunk=QUALITY_CHUNK)
+            memo[scheme] = score_chunks(chunks, reference, targets)
         return memo[scheme]
 
     return measure

@@ -148,7 +148,8 @@ def test_affine_scales_are_float16_whatever_the_model_dtype():
         codec = make_codecs("affine4", layer=0, dtype=dtype)[0]
         x = mx.array(np.random.default_rng(4).standard_normal((1, 2, 3, 64)) * 5).astype(dtype)
         packed, scales, biases = codec.encode(x)
-        assert (scales.dtype, biases.dtype, codec.decode((packed, scales, biases)).dtype) == (mx.float16, mx.float16, dtype)
+        decoded = codec.decode((packed, scales, biases))
+        assert (scales.dtype, biases.dtype, decoded.dtype) == (mx.float16, mx.float16, dtype)
     assert make_codecs("affine8", layer=0, dtype=mx.float32)[0].bits_per_element(64) == 8.5
     assert make_codecs("affine4", layer=0, dtype=mx.float32)[0].bits_per_element(64) == 5.0
 

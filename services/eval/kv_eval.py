@@ -39,6 +39,17 @@ class SchemeResult:
     divergence_tokens: tuple[int, ...]  # per prompt: greedy tokens equal to raw's before the first difference
 
 
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """What every scheme is compared with: the inputs and the raw cache's outputs on them."""
+
+    token_ids: list[int]  # teacher-forced inputs (tokens)
+    targets: np.ndarray  # int [num_tokens], the next token at each input position
+    logprobs: list[np.ndarray]  # raw cache, per chunk: float32 [chunk, vocab]
+    prompts: list[list[int]]  # free-running prompts
+    greedy: list[list[int]]  # raw cache's greedy continuation of each prompt
+
+
 def evaluate(model: nn.Module, tokenizer, config: EvalConfig) -> list[SchemeResult]:
     """Run the raw cache, then every scheme, over the same corpus tokens and prompts.
 
@@ -53,41 +64,56 @@ def evaluate(model: nn.Module, tokenizer, config: EvalConfig) -> list[SchemeResu
     Raises:
         ValueError: an unknown scheme, or a corpus shorter than `num_tokens + 1` tokens.
     """
-    ids = corpus_token_ids(tokenizer, config.num_tokens + 1)
-    targets = np.array(ids[1:])
-    prompts = prompt_token_ids(tokenizer, config.num_prompts, config.prompt_tokens)
-    context = max(config.num_tokens, config.prompt_tokens + config.max_new)
-
-    def caches(scheme: str) -> list:
-        return make_layer_caches(model, CacheOptions(scheme=scheme, max_context=context, raw_layers=config.raw_layers))
-
-    raw_caches = caches("raw")
-    reference = list(logprob_chunks(model, raw_caches, ids[:-1], chunk=config.chunk))
+    reference = raw_reference(model, tokenizer, config)
     raw_bits = 8.0 * model_dtype(model).size
-    greedy = [greedy_tokens(model, caches("raw"), p, max_new=config.max_new, chunk=config.chunk) for p in prompts]
-    results = [_raw_result(reference, targets, raw_bits, greedy)]
-    for scheme in (s for s in config.schemes if s != "raw"):
-        scheme_caches = caches(scheme)
-        quality = score_chunks(logprob_chunks(model, scheme_caches, ids[:-1], chunk=config.chunk), reference, targets)
-        bits = bits_per_element(scheme_caches)
-        runs = [greedy_tokens(model, caches(scheme), p, max_new=config.max_new, chunk=config.chunk, follow=g)
-                for p, g in zip(prompts, greedy)]
-        results.append(SchemeResult(
-            scheme, bits, bits / raw_bits, quality, quality.perplexity / results[0].quality.perplexity - 1.0,
-            tuple(matching_prefix(g, r) for g, r in zip(greedy, runs)),
-        ))
-    return results
+    raw = SchemeResult("raw", raw_bits, 1.0, score_chunks(reference.logprobs, reference.logprobs, reference.targets),
+                       0.0, tuple(len(g) for g in reference.greedy))
+    schemes = [s for s in config.schemes if s != "raw"]
+    return [raw] + [scheme_result(model, scheme, config, reference, raw) for scheme in schemes]
 
 
-def _raw_result(reference: list[np.ndarray], targets: np.ndarray, raw_bits: float, greedy: list) -> SchemeResult:
-    quality = score_chunks(reference, reference, targets)
-    return SchemeResult("raw", raw_bits, 1.0, quality, 0.0, tuple(len(g) for g in greedy))
+def raw_reference(model: nn.Module, tokenizer, config: EvalConfig) -> Reference:
+    """Teacher-forced log-probabilities and greedy continuations of the raw cache."""
+    ids = corpus_token_ids(tokenizer, config.num_tokens + 1)
+    prompts = prompt_token_ids(tokenizer, config.num_prompts, config.prompt_tokens)
+    logprobs = list(logprob_chunks(model, _caches(model, "raw", config), ids[:-1], chunk=config.chunk))
+    greedy = [greedy_tokens(model, _caches(model, "raw", config), p, max_new=config.max_new, chunk=config.chunk)
+              for p in prompts]
+    return Reference(ids[:-1], np.array(ids[1:]), logprobs, prompts, greedy)
+
+
+def scheme_result(model: nn.Module, scheme: str, config: EvalConfig, reference: Reference,
+                  raw: SchemeResult) -> SchemeResult:
+    """Teacher-forced quality, size and free-running agreement of one scheme against `reference`."""
+    caches = _caches(model, scheme, config)
+    chunks = logprob_chunks(model, caches, reference.token_ids, chunk=config.chunk)
+    quality = score_chunks(chunks, reference.logprobs, reference.targets)
+    bits = bits_per_element(caches)
+    runs = [greedy_tokens(model, _caches(model, scheme, config), prompt, max_new=config.max_new, chunk=config.chunk,
+                          follow=greedy) for prompt, greedy in zip(reference.prompts, reference.greedy)]
+    return SchemeResult(scheme, bits, bits / raw.bits_per_element, quality,
+                        quality.perplexity / raw.quality.perplexity - 1.0,
+                        tuple(matching_prefix(g, r) for g, r in zip(reference.greedy, runs)))
 
 
 def score_chunks(chunks, reference: list[np.ndarray], targets: np.ndarray) -> Quality:
-    """Accumulate `Quality` over paired chunks of scheme and reference log-probabilities."""
+    """Accumulate `Quality` over paired chunks of scheme and reference log-probabilities.
+
+    Args:
+        chunks: Iterable of float32 [n_i, vocab] log-probabilities under the scheme.
+        reference (list[np.ndarray]): The raw cache's, chunk for chunk.
+        targets (np.ndarray): int [sum n_i], the next tokens.
+
+    Returns:
+        Quality: Means over every position.
+    """
     accumulator, start = QualityAccumulator(), 0
     for logprobs, ref in zip(chunks, reference):
         accumulator.add(logprobs, ref, targets[start : start + len(ref)])
         start += len(ref)
     return accumulator.result()
+
+
+def _caches(model: nn.Module, scheme: str, config: EvalConfig) -> list:
+    context = max(config.num_tokens, config.prompt_tokens + config.max_new)
+    return make_layer_caches(model, CacheOptions(scheme=scheme, max_context=context, raw_layers=config.raw_layers))

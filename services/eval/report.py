@@ -22,7 +22,8 @@ def _row(result: SchemeResult) -> dict:
 def markdown_table(results: list[SchemeResult]) -> str:
     """One row per scheme: bits/element, ratio to raw, KL, top-1, perplexity and its change, greedy match."""
     lines = [
-        "| scheme | bits/elem | ratio to raw | mean KL(raw‖scheme) | top-1 agreement | perplexity | ppl change | greedy tokens before divergence (per prompt) |",
+        "| scheme | bits/elem | ratio to raw | mean KL(raw‖scheme) | top-1 agreement | perplexity | ppl change "
+        "| greedy tokens before divergence (per prompt) |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
