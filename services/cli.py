@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     except ButtermilkError as exc:
         print(f"buttermilk: error: {exc.message}", file=sys.stderr)
         return 2
-    except ValueError as exc:  # invalid option values rejected by our constructors
+    except (ValueError, OSError) as exc:  # invalid option values; unwritable or existing paths
         print(f"buttermilk: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from shared.errors import ButtermilkError
 from shared.logging import get_logger
 from shared.protocol import EngineDead, Health, HealthOk, decode, encode
 
@@ -86,8 +87,7 @@ class Supervisor:
             status = self._supervise()
         finally:
             self._stop_all()
-            self._controller.close(linger=0)
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # closes every socket first: term() never blocks
         return status
 
     def _on_signal(self, signum: int, _frame) -> None:
@@ -162,7 +162,11 @@ class Supervisor:
     def _dealer(self, address: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
+        try:
+            sock.connect(address)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
         return sock
 
     def _send_engine_dead(self, engine_id: str, epoch: int) -> None:
@@ -173,7 +177,11 @@ class Supervisor:
 
     def _announce_ready(self) -> bool:
         """Probe the gateway's health once; log `ready` when every engine is live."""
-        probe = self._dealer(self.plan.client_address)
+        try:
+            probe = self._dealer(probe_address(self.plan.client_address))
+        except zmq.ZMQError as exc:  # checked by check_client_address before anything started
+            self.log.warning("probe_failed", address=self.plan.client_address, error=str(exc))
+            return False
         try:
             probe.send(encode(Health()))
             if not probe.poll(timeout=200):
@@ -182,11 +190,68 @@ class Supervisor:
         finally:
             probe.close(linger=0)
         if isinstance(reply, HealthOk) and reply.engines_live >= len(self.plan.engines):
+            gateway = self.children.get(self.plan.gateway.name)
+            if gateway is None or gateway.proc.poll() is not None:
+                return False  # someone else answered (our gateway is gone): not ready
             self.log.info("ready", address=self.plan.client_address, engines=reply.engines_live)
+            noun = "engine" if reply.engines_live == 1 else "engines"
             print(f"buttermilk: serving on {self.plan.client_address} "
-                  f"({reply.engines_live} engines)", file=sys.stderr, flush=True)  # fmt: skip
+                  f"({reply.engines_live} {noun})", file=sys.stderr, flush=True)  # fmt: skip
             return True
         return False
+
+
+class AddressInUse(ButtermilkError):
+    """Another process already listens on serve's `--address`."""
+
+
+class BadAddress(ButtermilkError):
+    """serve's `--address` is not an endpoint zmq can bind."""
+
+
+def probe_address(address: str) -> str:
+    """Where to connect to reach a bind address (`tcp://*:N` / `tcp://0.0.0.0:N` → loopback)."""
+    for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
+        if address.startswith(wildcard):
+            return "tcp://127.0.0.1:" + address[len(wildcard):]
+    return address
+
+
+def check_client_address(address: str) -> None:
+    """Check, before any child starts, that the gateway will be able to bind `address`.
+
+    tcp: bind it once (and release it). ipc: zmq would silently take over the file of a
+    running server, so a successful connect to an existing socket file means "in use".
+
+    Raises:
+        BadAddress: not a usable endpoint (e.g. no `tcp://`).
+        AddressInUse: something already listens there.
+    """
+    import socket
+
+    if address.startswith("ipc://"):
+        path = address[len("ipc://"):]
+        if path and not path.startswith("@") and os.path.exists(path):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.connect(path)
+                except OSError:
+                    return  # a stale file from a dead server: the gateway's bind replaces it
+            raise AddressInUse(f"{address}: address already in use (is another buttermilk serve running?)")
+        if path:
+            return
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EADDRINUSE:
+            raise AddressInUse(f"{address}: address already in use (is another buttermilk serve running?)") from None
+        raise BadAddress(f"invalid --address {address!r}: {exc.strerror} "
+                         "(expected tcp://HOST:PORT or ipc://PATH)") from None  # fmt: skip
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

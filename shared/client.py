@@ -59,6 +59,41 @@ CONTROL_TIMEOUT_S = 10.0  # per lease, session, health or stats request
 CANCEL_GRACE_S = 10.0  # after a timeout's cancel, how long to wait for the terminal message
 
 
+class AddressError(ButtermilkError, ValueError):
+    """An endpoint zmq cannot use (e.g. `127.0.0.1:5555` without `tcp://`)."""
+
+
+def validate_address(address: str) -> None:
+    """Check that `address` is an endpoint a client can connect to.
+
+    Raises:
+        AddressError: it is not (one-line message naming the address).
+    """
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(address)
+    except zmq.ZMQError as exc:
+        raise AddressError(f"invalid address {address!r}: {exc.strerror} "
+                           "(expected tcp://HOST:PORT or ipc://PATH)") from None  # fmt: skip
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def one_line(exc: Exception) -> str:
+    """A pydantic ValidationError as `field: message; ...` (other errors: `str(exc)`)."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    parts = []
+    for err in errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
 class ServerError(ButtermilkError):
     """An `error` message from the server; `code` is its stable wire code."""
 
@@ -170,7 +205,14 @@ class AsyncClient:
         self._ctx = context or zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        try:
+            self._sock.connect(address)
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            if self._own_ctx:
+                self._ctx.term()
+            raise AddressError(f"invalid address {address!r}: {exc.strerror} "
+                               "(expected tcp://HOST:PORT or ipc://PATH)") from None  # fmt: skip
         self._queues: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(4)
@@ -207,14 +249,25 @@ class AsyncClient:
         request_id = request_id or self._next_id()
         if self.lease_id is not None:
             options.setdefault("lease_id", self.lease_id)
-        chat = [ChatMessage(**m) for m in messages] if messages is not None else None
-        try:
-            msg = Generate(id=request_id, prompt=prompt, messages=chat, token_ids=token_ids, **options)
-        except ValueError as exc:
-            raise ProtocolError(f"invalid generate: {exc}", request_id) from None
+        msg = self.build_generate(request_id=request_id, prompt=prompt, messages=messages,
+                                  token_ids=token_ids, **options)  # fmt: skip
         queue = self._register(request_id)
         await self._send(msg)
         return GenerationStream(self, request_id, queue, time.monotonic() + timeout_s)
+
+    @staticmethod
+    def build_generate(*, request_id: str, prompt: str | None = None, messages: list[dict] | None = None,
+                       token_ids: list[int] | None = None, **options) -> Generate:  # fmt: skip
+        """The `generate` message `stream` would send, validated locally.
+
+        Raises:
+            ProtocolError: invalid fields, as one line (`max_tokens: ...; temperature: ...`).
+        """
+        try:
+            chat = [ChatMessage(**m) for m in messages] if messages is not None else None
+            return Generate(id=request_id, prompt=prompt, messages=chat, token_ids=token_ids, **options)
+        except ValueError as exc:
+            raise ProtocolError(f"invalid generate: {one_line(exc)}", request_id) from None
 
     async def generate(self, **kwargs) -> Completion:
         """`stream(**kwargs)` read to its end."""
@@ -357,8 +410,13 @@ class Client:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="buttermilk-client", daemon=True)
         self._thread.start()
-        self._client: AsyncClient = self._call(self._make(address))
         self._closed = False
+        try:
+            self._client: AsyncClient = self._call(self._make(address))
+        except BaseException:
+            self._closed = True
+            self._stop_loop()
+            raise
 
     def __enter__(self) -> Client:
         return self
@@ -402,6 +460,9 @@ class Client:
             return
         self._closed = True
         self._call(self._client.close())
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._loop.close()

@@ -74,3 +74,17 @@ def test_unknown_kv_cache_scheme_lists_choices():
     proc = buttermilk("generate", "--model", "default", "--prompt", "hi", "--kv-cache", "zip9")
     assert proc.returncode == 2 and "zip9" in proc.stderr and "aura4v4" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("generate", "--prompt", "hi", "--seed", "-1"), "seed must be in [0, 2**63)"),
+    (("generate", "--prompt", ""), "the prompt is empty"),
+    (("generate", "--prompt", "hi", "--temperature", "nan"), "temperature must be a finite number"),
+    (("inspect", "--kv-cache", "aura9v9"), "--kv-cache"),
+    (("generate", "--prompt", "hi", "--max-context", "0"), "max_context: Input should be greater than or equal to 1"),
+])
+def test_user_errors_are_one_line(args, message):
+    proc = buttermilk(*args, "--model", "default")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("buttermilk: error:")
+    assert message in proc.stderr and "Traceback" not in proc.stderr and "pydantic.dev" not in proc.stderr

@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from shared.errors import BadRequest
+
 from .options import add_model_arguments, settings_from_args
 
 
@@ -27,7 +29,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def encode_prompt(tokenizer, prompt: str, *, chat: bool) -> list[int]:
-    """Token ids of the prompt, through the chat template when `chat` is set."""
+    """Token ids of the prompt, through the chat template when `chat` is set.
+
+    Raises:
+        BadRequest: the prompt is not valid UTF-8 (e.g. raw bytes from the shell).
+    """
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(f"the prompt is not valid UTF-8 (byte at position {exc.start})") from exc
     if chat:
         messages = [{"role": "user", "content": prompt}]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from pydantic import ValidationError
+
 from shared.errors import BadRequest
 from shared.settings import ModelSettings
 
@@ -30,5 +32,10 @@ def settings_from_args(args: argparse.Namespace) -> ModelSettings:
     }
     try:
         return ModelSettings(**overrides)
-    except ValueError as exc:
-        raise BadRequest(str(exc)) from exc
+    except ValidationError as exc:
+        raise BadRequest(one_line(exc)) from exc
+
+
+def one_line(exc: ValidationError) -> str:
+    """A pydantic validation error as one line: `field: reason; field: reason`."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())

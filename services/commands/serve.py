@@ -114,7 +114,7 @@ def build_plan(args: argparse.Namespace, run_dir: Path):
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.supervisor import Supervisor
+    from services.supervisor import Supervisor, check_client_address
     from shared.logging import configure_logging
 
     serve = parse_settings(ServeSettings, args)
@@ -124,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="buttermilk-") if own_dir else serve.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return Supervisor(build_plan(args, run_dir)).run()
+        plan = build_plan(args, run_dir)
+        check_client_address(plan.client_address)  # a bad or busy address: exit 2 before any child
+        return Supervisor(plan).run()
     finally:
         if own_dir:
             shutil.rmtree(run_dir, ignore_errors=True)

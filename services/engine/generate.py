@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from shared.errors import ContextOverflow
+from shared.errors import BadRequest, ContextOverflow
 
 from shared.detok import IncrementalDetokenizer
 
@@ -63,8 +63,11 @@ def cap_max_tokens(prompt_tokens: int, max_tokens: int, max_context: int) -> int
     """Cap generation so prompt + output fits the context (tokens).
 
     Raises:
+        BadRequest: an empty prompt.
         ContextOverflow: the prompt alone leaves no room for one generated token.
     """
+    if prompt_tokens == 0:
+        raise BadRequest("the prompt is empty: nothing to generate from")
     if prompt_tokens >= max_context:
         raise ContextOverflow(prompt_tokens, max_context)
     return min(max_tokens, max_context - prompt_tokens)

@@ -6,6 +6,7 @@ from shared.errors import BadRequest
 from shared.settings import ModelSettings
 
 from .cache import CacheOptions, Window
+from .cache.schemes import make_codecs
 from .model.loader import LoadedModel, load_model
 
 
@@ -26,6 +27,10 @@ def cache_options(settings: ModelSettings, loaded: LoadedModel) -> CacheOptions:
             window = Window(settings.kv_window_size, settings.kv_window_keep)
         except ValueError as exc:
             raise BadRequest(f"--kv-window-size/--kv-window-keep: {exc}") from exc
+    try:
+        make_codecs(settings.kv_cache, layer=0, dtype=loaded.dtype)
+    except ValueError as exc:
+        raise BadRequest(f"--kv-cache: {exc}") from exc
     return CacheOptions(
         scheme=settings.kv_cache,
         max_context=max_context,

@@ -6,6 +6,7 @@ on what else shares the batch. Logit filters are mlx-lm's (`apply_top_k`, `apply
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -36,12 +37,16 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise BadRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise BadRequest(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise BadRequest(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise BadRequest(f"seed must be in [0, 2**63), got {self.seed}")
+        if any(not s for s in self.stop):
+            raise BadRequest("stop strings must be non-empty")
         if self.max_tokens < 1:
             raise BadRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
 
