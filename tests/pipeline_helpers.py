@@ -168,3 +168,12 @@ def reference_generation(loaded, token_ids: list[int], max_tokens: int, max_cont
     text = "".join(generate(loaded.model, loaded.tokenizer, token_ids, caches, params,
                             max_context=max_context, stats=stats))  # fmt: skip
     return text, stats.token_ids, stats.finish_reason
+
+
+def cli(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+    """Run `python -m services.cli ARGS` to completion (text output captured)."""
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout_s)  # fmt: skip
+
+
+NOISE = ("Traceback", "Task was destroyed", "Event loop is closed", "ZMQError", "errors.pydantic.dev")

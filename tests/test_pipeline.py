@@ -9,6 +9,11 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import select
+import signal
+import subprocess
+import sys
+import time
 
 import msgpack
 import pytest
@@ -19,7 +24,19 @@ from shared.client import AsyncClient, ServerError
 from shared.errors import ErrorCode
 from shared.protocol import MAX_FRAME_BYTES, Error, decode
 
-from .pipeline_helpers import MAX_CONTEXT, Server, is_alive, reference_generation, run, wait_idle
+from .pipeline_helpers import (
+    MAX_CONTEXT,
+    NOISE,
+    REPO,
+    Server,
+    cli,
+    is_alive,
+    reference_generation,
+    run,
+    stats_of,
+    wait_idle,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -231,3 +248,37 @@ async def _garbage_to_internal_sockets(server: Server) -> None:
         await asyncio.sleep(0.2)
         sock.close(0)
     ctx.term()
+
+
+def test_ready_line_is_singular_for_one_engine(server):
+    wait_until(lambda: "serving on" in server.log(), 10, "the ready line")
+    assert f"serving on {server.address} (1 engine)" in server.log()
+
+
+def test_second_serve_on_the_same_address_fails_cleanly(server, tmp_path):
+    proc = cli("serve", "--model", "default", "--address", server.address, "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "address already in use" in proc.stderr and "serving on" not in proc.stderr
+    assert not any(n in proc.stderr for n in NOISE), proc.stderr
+    assert run(stats_of(server.address)).engines  # the first server is untouched
+
+
+def test_ctrl_c_on_client_cancels_its_request(server):
+    argv = [sys.executable, "-m", "services.cli", "client", "--address", server.address,
+            "--prompt", "Once upon a time, in a small village, there lived", "--max-tokens", "200"]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert select.select([proc.stdout], [], [], 60)[0], "no token streamed"
+        os.read(proc.stdout.fileno(), 1)  # the first token arrived: the request is generating
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = stderr.decode(errors="replace")
+    assert proc.returncode == 130, stderr
+    assert not any(n in stderr for n in NOISE), stderr
+    t0 = time.monotonic()
+    stats = run(wait_idle(server.address, timeout_s=3))  # active 0, no engine tokens held
+    assert stats.pool.active == 0 and time.monotonic() - t0 < 3

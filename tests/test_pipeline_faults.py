@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -20,7 +21,19 @@ import pytest
 from shared.client import AsyncClient, ServerError
 from shared.errors import ErrorCode
 
-from .pipeline_helpers import REPO, Server, child_pids, is_alive, run, stats_of, wait_idle, wait_until
+from .pipeline_helpers import (
+    NOISE,
+    REPO,
+    Server,
+    child_pids,
+    cli,
+    free_tcp_address,
+    is_alive,
+    run,
+    stats_of,
+    wait_idle,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -42,8 +55,11 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def idle_after(server):
+def idle_after(request):
     yield
+    if "server" not in request.fixturenames:
+        return  # a test of its own processes: no shared server needed
+    server = request.getfixturevalue("server")
     if server.proc.poll() is None:
         run(wait_idle(server.address, timeout_s=LEASE_TTL_S + 10))
 
@@ -241,3 +257,88 @@ def test_killed_supervisor_takes_its_children_along(tmp_path):
         wait_until(lambda: not any(is_alive(p) for p in pids), 15, "every orphaned child to exit")
     finally:
         srv.kill_everything()
+
+
+def test_serve_with_an_invalid_address_fails_fast(tmp_path):
+    t0 = time.monotonic()
+    proc = cli("serve", "--model", "default", "--address", "127.0.0.1:5759", "--run-dir", str(tmp_path / "run"),
+               timeout_s=30)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("buttermilk: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "127.0.0.1:5759" in proc.stderr and not any(n in proc.stderr for n in NOISE)
+    assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (("--address", "127.0.0.1:5757"), "invalid address"),
+        (("--timeout", "0"), "--timeout"),
+        (("--timeout", "-1"), "--timeout"),
+        (("--max-tokens", "-1"), "max_tokens"),
+        (("--temperature", "nan"), "temperature"),
+        (("--seed", "-1"), "seed"),
+        (("--stop", ""), "stop"),
+    ],
+)  # fmt: skip
+def test_client_usage_errors_are_one_line(flags, expected):
+    proc = cli("client", "--prompt", "hi", "--address", free_tcp_address(), *flags, timeout_s=30)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("buttermilk: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert expected in proc.stderr and not any(n in proc.stderr for n in NOISE), proc.stderr
+
+
+def test_client_with_no_server_fails_within_its_connect_timeout():
+    address = free_tcp_address()
+    t0 = time.monotonic()
+    proc = cli("client", "--prompt", "hi", "--address", address, "--connect-timeout-s", "1", timeout_s=30)
+    assert time.monotonic() - t0 < 10
+    assert proc.returncode == 1, proc.stderr
+    assert f"no server answered at {address} within 1 s" in proc.stderr, proc.stderr
+    assert not any(n in proc.stderr for n in NOISE), proc.stderr
+
+
+def _fake_gateway(address: str, stop: threading.Event) -> None:
+    """Answers health, streams one token for a generate, then falls silent (a dead server)."""
+    import zmq
+
+    from shared.protocol import Generate, Health, HealthOk, Token, decode, encode
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address)
+    dead = False
+    try:
+        while not stop.is_set():
+            if not sock.poll(50):
+                continue
+            peer, frame = sock.recv_multipart()
+            msg = decode(frame)
+            if dead:
+                continue
+            if isinstance(msg, Health):
+                sock.send_multipart([peer, encode(HealthOk(id=msg.id, status="ok", engines_live=1))])
+            elif isinstance(msg, Generate):
+                sock.send_multipart([peer, encode(Token(id=msg.id, text="Hi", token_ids=[1], index=0))])
+                dead = True
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_client_reports_a_server_that_dies_mid_stream():
+    address = free_tcp_address()
+    stop = threading.Event()
+    thread = threading.Thread(target=_fake_gateway, args=(address, stop), daemon=True)
+    thread.start()
+    try:
+        t0 = time.monotonic()
+        proc = cli("client", "--prompt", "hi", "--address", address, "--connect-timeout-s", "1", timeout_s=30)
+        elapsed = time.monotonic() - t0
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+    assert proc.returncode == 1 and proc.stdout.startswith("Hi"), (proc.stdout, proc.stderr)
+    assert f"no server answered at {address} within 1 s" in proc.stderr, proc.stderr
+    assert not any(n in proc.stderr for n in NOISE) and elapsed < 10

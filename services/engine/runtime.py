@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from shared.errors import BadRequest
 from shared.settings import ModelSettings
 
@@ -28,7 +30,7 @@ def cache_options(settings: ModelSettings, loaded: LoadedModel) -> CacheOptions:
         except ValueError as exc:
             raise BadRequest(f"--kv-window-size/--kv-window-keep: {exc}") from exc
     try:
-        make_codecs(settings.kv_cache, layer=0, dtype=loaded.dtype)
+        make_codecs(settings.kv_cache, layer=0, dtype=mx.float16)  # validates the name only
     except ValueError as exc:
         raise BadRequest(f"--kv-cache: {exc}") from exc
     return CacheOptions(
