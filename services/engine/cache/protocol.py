@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -37,9 +38,9 @@ class LayerCache(Protocol):
     def empty(self) -> bool: ...
 
 
-class AttendingCache:
+class AttendingCache(ABC):
     """Base of caches that compute attention on their own storage (see `services.engine.attention`)."""
 
+    @abstractmethod
     def attend(self, queries: mx.array, keys, values, *, scale: float, mask, sinks=None) -> mx.array:
         """Attention of queries [B, n_heads, L, head_dim] over what `update_and_fetch` returned."""
-        raise NotImplementedError
