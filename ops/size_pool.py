@@ -16,8 +16,8 @@ import argparse
 import json
 
 from kernels.aura import aura_bits_per_element, parse_aura_scheme
+from services.engine.cache.schemes import AFFINE  # name → (bits, group size); fp16 scale + bias
 
-AFFINE = {"affine8": (8, 64), "affine4": (4, 32)}  # bits, group size; fp16 scale + bias per group
 
 
 def bits_per_element(scheme: str, *, head_dim: int, dtype_bytes: int) -> float:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kernels.aura import parse_aura_scheme
+from services.engine.model.gguf import DTYPES
 
 from .codecs import KVCodec, RawCodec
 from .quantized import AURA_SEED, AffineCodec, AuraCodec
 
 AFFINE = {"affine8": (8, 64), "affine4": (4, 32)}  # name → (bits, group_size)
 SCHEMES = ("raw", "affine8", "affine4", "aura4v4", "aura4v2", "aura8v4", "aura8v8")  # named in --help
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 def make_codecs(scheme: str, *, layer: int, dtype: mx.Dtype) -> tuple[KVCodec, KVCodec]:

@@ -13,10 +13,9 @@ import mlx.nn as nn
 from shared.errors import ModelNotFound
 
 from .. import attention
+from .gguf import DTYPES
+from .gguf import resolve_dtype as gguf_resolve_dtype
 from .paths import resolve_model
-
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -48,10 +47,8 @@ class LoadedModel:
 
 
 def resolve_dtype(dtype: str) -> str:
-    """`"auto"` → float32 on the CPU backend (BLAS-backed matmuls), else float16."""
-    if dtype != "auto":
-        return dtype
-    return "float32" if mx.default_device() == mx.cpu else "float16"
+    """`"auto"` → float32 on the CPU backend (BLAS-backed matmuls), else float16 (see `gguf.resolve_dtype`)."""
+    return gguf_resolve_dtype(None if dtype == "auto" else dtype)
 
 
 def load_model(spec: str, *, dtype: str = "auto") -> LoadedModel:
