@@ -8,7 +8,7 @@ is built once per batch size and reused across runs, as a server keeps it (its d
 traces are then warm); each side gets one warm-up run. The ratio compares medians.
 
 Per batch size it also reports `profile` (one decode step over rows of
-`--profile-context` tokens: graph building, the whole step, and the K/V gathers alone)
+`--profile-context` tokens: graph building and the whole step)
 and `breakdown` (where the engine's pipelined decode step goes, ms per step).
 
     python -m ops.bench_batching                          # CPU, the default model
@@ -116,7 +116,7 @@ def run_mlx_lm(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -
 def profile_decode(loaded: LoadedModel, batch: int, context: int, page_size: int, repeats: int = 5) -> dict:
     """Time one eager decode step over `batch` rows of about `context` tokens.
 
-    Reports graph building, the whole step, and the K/V gathers alone (ms, medians).
+    Reports graph building and the whole step (ms, medians).
     """
     core = EngineCore(loaded, CacheOptions(max_context=context + 64), capacity_tokens=batch * (context + 64),
                       max_slots=batch, step_token_budget=max(512, batch), page_size=page_size)
@@ -130,20 +130,16 @@ def profile_decode(loaded: LoadedModel, batch: int, context: int, page_size: int
         forward = cache.batch(views, 1)
         return forward, mx.argmax(model(tokens, cache=forward.layers)[:, -1], axis=-1)
 
-    build_s, step_s, gather_s = [], [], []
+    build_s, step_s = [], []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
         forward, out = build()
         t1 = time.perf_counter()
         mx.eval(out, cache.arrays)
-        t2 = time.perf_counter()
-        gathered = [layer.storage.gather(layer.layer, layer.index) for layer in forward.layers]
-        mx.eval(gathered)
-        build_s.append(t1 - t0), step_s.append(t2 - t0), gather_s.append(time.perf_counter() - t2)
+        build_s.append(t1 - t0), step_s.append(time.perf_counter() - t0)
     # The first round warms up; the median of the rest counts.
-    build_ms, step_ms, gather_ms = (median(xs[1:]) * 1e3 for xs in (build_s, step_s, gather_s))
-    return {"context": context, "build_ms": round(build_ms, 3), "step_ms": round(step_ms, 3),
-            "gather_ms_all_layers": round(gather_ms, 3), "gather_ms_per_layer": round(gather_ms / len(cache.layers), 4)}
+    build_ms, step_ms = (median(xs[1:]) * 1e3 for xs in (build_s, step_s))
+    return {"context": context, "build_ms": round(build_ms, 3), "step_ms": round(step_ms, 3)}
 
 
 def step_breakdown(loaded: LoadedModel, batch: int, page_size: int, steps: int = 40) -> dict:

@@ -7,9 +7,9 @@ Modes (`--mode`):
   on CPU, and a decode step's cost depends on T and the storage, not on the values), then
   time `--steps` greedy decode steps of the real model after `--warmup` steps, pipelined as
   `services.engine.generate` does. Peak memory runs from before the fill to the last step.
-- `attention`: one attention layer per scheme (default model geometry unless a model is
-  given), decode (1 query) and prefill (`--prefill-queries` queries) at each T: the decoded
-  path (dequantize + `mx.fast` SDPA) and, for affine, the packed path (`quantized_matmul`).
+- `attention`: one attention layer per scheme, decode (1 query) and prefill
+  (`--prefill-queries` queries) at each T: in place (what the caches run) against
+  dequantize + `mx.fast` SDPA, time and peak temporary memory.
 - `prefill-memory`: a real chunked prefill of `--prefill-tokens` tokens (default 4096 in 512s)
   per scheme, peak memory from `mx.reset_peak_memory()` to the end.
 
@@ -18,7 +18,7 @@ Results go to stdout and `ops/results/bench_kv[_<mode>]_<device>.json`. No downl
 whatever `mx.default_device()` is.
 
     python -m ops.bench_kv                                                  # CPU, default model, T = 512, 2048, 8192
-    python -m ops.bench_kv --random-model llama-1b --contexts 8192,32768   # GPU
+    python -m ops.bench_kv --random-model llama-1b --contexts 512,8192,32768   # GPU (also qwen3-1.7b)
     python -m ops.bench_kv --mode attention
     python -m ops.bench_kv --mode prefill-memory --schemes raw,affine4,aura4v4
 """
@@ -48,24 +48,41 @@ LLAMA_1B = dict(
 )
 
 
-def random_llama_1b(dtype: mx.Dtype = mx.bfloat16):
-    """A random-initialized model of Llama-3.2-1B's shape in `dtype` (no files, no downloads)."""
+# Qwen3-1.7B's shape (head_dim 128; the anchor `shared/gpu/anchor_mlxlm_qwen3.py` uses the same).
+QWEN3_1_7B = dict(
+    model_type="qwen3", hidden_size=2048, num_hidden_layers=28, intermediate_size=6144, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, vocab_size=151936, max_position_embeddings=40960,
+    rope_theta=1e6, tie_word_embeddings=True,
+)
+RANDOM_MODELS = {"llama-1b": ("llama", LLAMA_1B, "random-llama-3.2-1b-shape"),
+                 "qwen3-1.7b": ("qwen3", QWEN3_1_7B, "random-qwen3-1.7b-shape")}
+
+
+def random_model(name: str, dtype: mx.Dtype = mx.bfloat16):
+    """A random-initialized model of a known shape (`RANDOM_MODELS`) in `dtype` (no files, no downloads)."""
+    import importlib
+
     from services.engine import attention
 
     attention.install()  # before the model module binds mlx-lm's attention
-    from mlx_lm.models import llama
-
+    family, config, _ = RANDOM_MODELS[name]
+    module = importlib.import_module(f"mlx_lm.models.{family}")
     mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(LLAMA_1B))
+    model = module.Model(module.ModelArgs.from_dict(config))
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
 
 
+def random_llama_1b(dtype: mx.Dtype = mx.bfloat16):
+    """A random-initialized model of Llama-3.2-1B's shape in `dtype`."""
+    return random_model("llama-1b", dtype)
+
+
 def load(args) -> tuple[object, str]:
     """The model to run and its name."""
-    if args.random_model == "llama-1b":
-        return random_llama_1b(), "random-llama-3.2-1b-shape"
+    if args.random_model:
+        return random_model(args.random_model), RANDOM_MODELS[args.random_model][2]
     from services.engine.model.loader import load_model
 
     loaded = load_model(args.model)
@@ -116,11 +133,11 @@ def decode_row(model, scheme: str, context: int, args) -> dict:
     mx.clear_cache()
     weights = mx.get_active_memory()
     mx.reset_peak_memory()
-    options = CacheOptions(scheme=scheme, max_context=context + args.warmup + args.steps + 2)
+    options = CacheOptions(scheme=scheme, max_context=context + args.repeats * (args.warmup + args.steps) + 2)
     caches = make_layer_caches(model, options)
     fill_random(caches, model, context, args.fill_chunk)
     kv_bytes = sum(c.nbytes for c in caches)
-    seconds = time_decode(model, caches, steps=args.steps, warmup=args.warmup)
+    seconds = min(time_decode(model, caches, steps=args.steps, warmup=args.warmup) for _ in range(args.repeats))
     peak = mx.get_peak_memory()
     return {"scheme": scheme, "context_tokens": context, "decode_tokens_per_s": 1.0 / seconds,
             "kv_nbytes_after_fill": kv_bytes, "kv_bytes_per_token": kv_bytes / context,
@@ -152,29 +169,41 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def attention_row(model, scheme: str, context: int, num_queries: int, repeats: int) -> dict:
-    """Time the attention paths of one layer's cache holding `context` random tokens."""
-    from services.engine.cache import CacheOptions, make_layer_caches, model_dtype
-    from services.engine.cache.quantized import affine_attention, attends_packed
+    """Time one layer's attention over `context` random tokens: in place vs dequantize + SDPA.
 
-    cache = make_layer_caches(model, CacheOptions(scheme=scheme, max_context=context))[0]
+    "in place" is what the caches run (`kernels.paged_attention`: fused CUDA kernels, or MLX ops
+    over chunks of pages); "dequantized" decodes the whole history first (the old path).
+    Peak memory of each is measured over its calls.
+    """
+    from services.engine.cache import CacheOptions, make_layer_caches, model_dtype
+
+    cache = make_layer_caches(model, CacheOptions(scheme=scheme, max_context=context + num_queries))[0]
     fill_random([cache], model, context, 4096)
-    _, _, head_dim = geometry(model)
     n_heads = model.layers[0].self_attn.n_heads
+    head_dim = cache.fmt.head_dim
     queries = mx.random.normal((1, n_heads, num_queries, head_dim)).astype(model_dtype(model))
-    mask = None if num_queries == 1 else "causal"
-    keys, values = cache._keys, cache._values
-    kc, vc, scale = cache.key_codec, cache.value_codec, head_dim**-0.5
+    fmt, scale = cache.fmt, head_dim**-0.5
+    new = mx.random.normal((1, cache._heads, num_queries, head_dim)).astype(model_dtype(model))
+    cache.update_and_fetch(new, new)
+    mx.eval(cache.state)
+
+    def in_place():
+        return cache.attend(queries, None, None, scale=scale, mask=None)
 
     def decoded():
-        out = mx.fast.scaled_dot_product_attention(kc.rotate_query(queries), kc.decode(keys), vc.decode(values),
-                                                   scale=scale, mask=mask)
-        return vc.unrotate_output(out)
+        keys, values = fmt.decode(cache.state)
+        q = fmt.rotate_query(queries.astype(keys.dtype))
+        out = mx.fast.scaled_dot_product_attention(q, keys, values.astype(keys.dtype), scale=scale,
+                                                   mask=None if num_queries == 1 else "causal")
+        return fmt.unrotate_output(out)
 
-    row = {"scheme": scheme, "context_tokens": context, "queries": num_queries,
-           "decoded_sdpa_ms": median_ms(decoded, repeats)}
-    if attends_packed(kc, vc, 1):  # affine on a backend whose quantized_matmul takes these shapes
-        row["packed_ms"] = median_ms(lambda: affine_attention(queries, keys, values, key_codec=kc, value_codec=vc,
-                                                              scale=scale, mask=mask), repeats)
+    row = {"scheme": scheme, "context_tokens": context, "queries": num_queries}
+    for name, fn in (("in_place", in_place), ("dequantized", decoded)):
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        row[f"{name}_ms"] = median_ms(fn, repeats)
+        row[f"{name}_peak_temp_bytes"] = mx.get_peak_memory() - base
     return row
 
 
@@ -215,15 +244,17 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["decode", "attention", "prefill-memory"], default="decode")
     parser.add_argument("--model", default="default", help="model to load (ignored with --random-model)")
-    parser.add_argument("--random-model", choices=["llama-1b"], help="random-initialized model of a known shape")
+    parser.add_argument("--random-model", choices=sorted(RANDOM_MODELS), help="random-initialized model of a known shape")
     parser.add_argument("--schemes", default=DEFAULT_SCHEMES, type=lambda s: [x for x in s.split(",") if x])
     parser.add_argument("--contexts", default="512,2048,8192", type=lambda s: [int(x) for x in s.split(",") if x])
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per row; the fastest counts (as the anchor)")
     parser.add_argument("--fill-chunk", type=int, default=1024, help="tokens of random K/V written per call")
     parser.add_argument("--prefill-queries", type=int, default=512, help="prefill-phase queries (attention mode)")
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON result")
     return parser.parse_args()
 
 
@@ -242,8 +273,9 @@ def main() -> None:
         "steps": args.steps, "warmup": args.warmup, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": rows,
     }
     suffix = "" if args.mode == "decode" else f"_{args.mode.replace('-', '_')}"
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"bench_kv{suffix}_{device.type.name}.json"
+    model_tag = f"_{args.random_model}" if args.random_model else ""
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"bench_kv{suffix}_{device.type.name}{model_tag}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from kernels.aura import aura_bits_per_element, parse_aura_scheme
-from services.engine.cache.schemes import AFFINE  # name → (bits, group size); fp16 scale + bias
+import mlx.core as mx
 
+from services.engine.cache import schemes
+
+_RAW_DTYPES = {2: mx.float16, 4: mx.float32}
 
 
 def bits_per_element(scheme: str, *, head_dim: int, dtype_bytes: int) -> float:
@@ -26,13 +28,7 @@ def bits_per_element(scheme: str, *, head_dim: int, dtype_bytes: int) -> float:
     Raises:
         ValueError: unknown scheme.
     """
-    if scheme == "raw":
-        return 8.0 * dtype_bytes
-    if scheme in AFFINE:
-        bits, group = AFFINE[scheme]
-        return bits + 2 * 16 / group
-    key_bits, value_bits = parse_aura_scheme(scheme)
-    return aura_bits_per_element(key_bits, value_bits, head_dim)
+    return schemes.bits_per_element(scheme, head_dim=head_dim, dtype=_RAW_DTYPES[dtype_bytes])
 
 
 def bytes_per_token(scheme: str, *, n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> float:

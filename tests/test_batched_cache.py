@@ -109,11 +109,10 @@ def test_layer_views_speak_the_cache_protocol(tiny_llama):
     layer = cache.batch(views, 1).layers[0]
     assert isinstance(layer, (PagedLayerCache, AttendingCache))
     assert layer.offset.tolist() == [3, 0]
-    mask = layer.make_mask(1)
-    assert mask.shape == (2, 1, 1, 4) and mask.dtype == mx.bool_
-    assert mask[1, 0, 0].tolist() == [True, False, False, False]
-    keys, values = layer.update_and_fetch(mx.zeros((2, 2, 1, 64)), mx.zeros((2, 2, 1, 64)))
-    assert keys.shape == values.shape == (2, 2, 4, 64)
+    assert layer.make_mask(1) is None  # attention masks by each row's live-slot count
+    assert layer.index.lengths.tolist() == [4, 1]  # every live slot once this token is written
+    keys, values = mx.zeros((2, 2, 1, 64)), mx.ones((2, 2, 1, 64))
+    assert layer.update_and_fetch(keys, values) == (keys, values)
 
 
 def test_stale_view_raises_after_release_and_reuse(tiny_llama):

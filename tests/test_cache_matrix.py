@@ -34,8 +34,9 @@ def hand_token_bytes(scheme: str, head_dim: int, raw_bytes: int) -> tuple[int, i
     """(key, value) bytes per token and KV head, from CACHES.md, with fp16 scales and biases."""
     if scheme == "raw":
         return head_dim * raw_bytes, head_dim * raw_bytes
-    if scheme in ("affine8", "affine4"):
-        bits, group = (8, 64) if scheme == "affine8" else (4, 32)
+    if scheme.startswith("affine"):
+        bits = int(scheme.removeprefix("affine"))
+        group = {8: 64, 6: 64, 4: 32}[bits]  # README: affine8 g64, affine6 g64, affine4 g32
         per_vector = head_dim * bits // 8 + 2 * 2 * head_dim // group
         return per_vector, per_vector
     key_bits, value_bits = map(int, re.fullmatch(r"aura(\d)v(\d)", scheme).groups())

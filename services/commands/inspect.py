@@ -54,6 +54,6 @@ def print_report(report: dict) -> None:
         if key != "layers":
             print(f"{key:>22}: {value}")
     for row in report.get("layers", []):
-        fields = " ".join(f"{f['shape']}:{f['dtype']}" for f in row.get("fields", []))
+        pools = " ".join(f"{p['shape']}:{p['dtype']}" for p in row.get("pools", []))
         print(f"layer {row['layer']:>3} {row['kind']:<20} {row.get('scheme', ''):<8} live={row.get('live_tokens', '-'):<6} "
-              f"{row['nbytes']:>10} B  {row.get('bytes_per_token', '-')} B/tok  x{row.get('ratio_to_raw', '-')}  {fields}")
+              f"{row['nbytes']:>10} B  {row.get('bytes_per_token', '-')} B/tok  x{row.get('ratio_to_raw', '-')}  {pools}")

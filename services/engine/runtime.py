@@ -8,7 +8,7 @@ from shared.errors import BadRequest
 from shared.settings import ModelSettings
 
 from .cache import CacheOptions, Window
-from .cache.schemes import make_codecs
+from .cache.schemes import layer_format
 from .model.loader import LoadedModel, load_model
 
 
@@ -16,8 +16,9 @@ def cache_options(settings: ModelSettings, loaded: LoadedModel) -> CacheOptions:
     """Validate the cache settings against the model and freeze them.
 
     Raises:
-        BadRequest: `max_context` above the model's advertised window, or a window
-            with `keep >= size`.
+        BadRequest: `max_context` above the model's advertised window, a window with
+            `keep >= size`, an unknown scheme, or a scheme that cannot store the model's
+            head_dim (caught here, before any request, rather than at the first prefill).
     """
     advertised = loaded.advertised_context
     max_context = settings.max_context or advertised
@@ -29,8 +30,12 @@ def cache_options(settings: ModelSettings, loaded: LoadedModel) -> CacheOptions:
             window = Window(settings.kv_window_size, settings.kv_window_keep)
         except ValueError as exc:
             raise BadRequest(f"--kv-window-size/--kv-window-keep: {exc}") from exc
+    config = loaded.config.get("text_config", loaded.config)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     try:
-        make_codecs(settings.kv_cache, layer=0, dtype=mx.float16)  # validates the name only
+        for layer in range(config.get("num_hidden_layers", 1)):
+            if layer not in settings.kv_raw_layers:
+                layer_format(settings.kv_cache, layer=layer, dtype=mx.float16, head_dim=head_dim)
     except ValueError as exc:
         raise BadRequest(f"--kv-cache: {exc}") from exc
     return CacheOptions(

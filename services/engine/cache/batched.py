@@ -1,31 +1,25 @@
-"""`BatchedKVCache`: paged K/V storage shared by many sequences, in any codec, windows included.
+"""`BatchedKVCache`: paged K/V storage shared by many sequences, in any scheme, windows included.
 
 Layout. Capacity is counted in tokens and cut into pages of `page_size` token slots. Each
-layer keeps, per codec field, one array laid out `[num_pages, n_kv_heads, page_size, *]`
-(stored flattened to `[num_pages * n_kv_heads * page_size, *]`, see `paged_index`), and one
+layer keeps its pools (`kernels.kv_format`: raw K and V, or one compressed row per token and
+head), head-major `[n_kv_heads * num_pages * page_size, width]` (`pool_rows`), and one
 `SlotTable` (one allocator, one page table per slot) serves all layers: page `p` names the
 same token slots in every layer. A forward over a set of slots writes its new tokens with one
-scatter per field and reads the (page, head) blocks it attends to with one gather per field;
-the indices are built once per forward (numpy), moved to the device in one transfer, and
-shared by all layers with the same window rule.
+scatter per pool and attends through the page tables in place (`kernels.paged_attention`:
+fused CUDA kernels, or MLX ops over chunks of pages) — no gathered copy of the history, no
+dequantized copy. The indices are built once per forward (numpy), moved to the device in one
+transfer, and shared by all layers with the same window rule.
 
 Costs of this layout:
-- Every forward gathers the attended K/V into a dense `[B, n_kv_heads, pages * page_size, *]`
-  copy (then decodes it): one extra read and write of the live KV per layer and step, on top
-  of attention's own read. Rows shorter than the longest are padded (masked out). Measured
-  with `ops/bench_batching.py` at 256 tokens per row and B=32: 66 ms of a 279 ms decode step
-  on the CPU (SmolLM2-135M, float32), 1.9 ms of 10.4 ms on an H200 (Llama-3.2-1B shape,
-  bf16). A dense working set for the decode batch, or a paged attention kernel behind the
-  attention seam, would remove it.
 - Storage is allocated once for `capacity_tokens`; a slot's last page is partly empty (at
   most `page_size - 1` token slots per sequence are held but unused).
-- Writes land in place only when no other pending work reads the same storage array (MLX
-  buffer donation): the runner evaluates each forward before the next one's writes are
-  encoded, and a chunk that wraps a window reads its old slots through `PagedBatch.prefetch`,
-  evaluated before that forward. Otherwise a write copies the whole layer storage.
+- Writes land in place only when no other pending work reads the same pool (MLX buffer
+  donation): the runner lets a forward's reads finish before the next forward's writes are
+  launched, and a chunk that wraps a window reads its old slots through `PagedBatch.prefetch`,
+  evaluated before that forward. Otherwise a write copies the whole pool.
 - A decode forward can be traced once and replayed (`decode_indices` / `decode_layers`, for
   `mx.compile`): its pages read per row are rounded up (`bucket_pages`) so the shapes, and
-  the traces, change rarely; the padding is masked out.
+  the traces, change rarely; the padding is masked by the lengths.
 - Page tables are shared by all layers, so in a model mixing full and windowed layers a slot
   gets pages for its full length and the windowed layers leave most of them unused.
 
@@ -45,6 +39,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from kernels.kv_format import LayerFormat
+
+from . import pool_rows
 from .factory import CacheOptions, make_layer_caches
 from .kv import KVCache
 from .pages import LayerBudget, SlotTable, SlotView
@@ -52,8 +49,8 @@ from .paged_index import plan_group
 from .paged_layers import ForwardIndex, LayerSpec, PagedLayerCache, PagedStorage
 
 
-def layer_specs(model: nn.Module, options: CacheOptions) -> list[LayerSpec]:
-    """Per-layer codecs and windows, translated as `make_layer_caches` does.
+def layer_specs(model: nn.Module, options: CacheOptions) -> list[tuple]:
+    """Per-layer (key part, value part, window), translated as `make_layer_caches` does.
 
     Raises:
         ValueError: a layer that is not attention (recurrent state cannot be paged), or an
@@ -63,7 +60,7 @@ def layer_specs(model: nn.Module, options: CacheOptions) -> list[LayerSpec]:
     for layer, cache in enumerate(make_layer_caches(model, options)):
         if not isinstance(cache, KVCache):
             raise ValueError(f"layer {layer}: {type(cache).__name__} layers are not supported by BatchedKVCache")
-        specs.append(LayerSpec(cache.key_codec, cache.value_codec, cache.window))
+        specs.append((cache.key, cache.value, cache.window))
     return specs
 
 
@@ -76,7 +73,7 @@ class BatchedKVCache:
     """K/V storage of many sequences in fixed-size pages, one `SlotTable` for all layers.
 
     Args:
-        layers (Sequence[LayerSpec]): One spec per attention layer.
+        layers (Sequence[tuple[PartFormat, PartFormat, Window | None]]): Per attention layer.
         n_kv_heads (int): KV heads per layer.
         head_dim (int): Dimensions per head.
         capacity_tokens (int): Token slots of storage, rounded down to whole pages.
@@ -84,7 +81,7 @@ class BatchedKVCache:
         max_slots (int): Sequences held at once. Default: 64.
 
     Raises:
-        ValueError: capacity below one page, or a non-positive size.
+        ValueError: capacity below one page, a non-positive size, or a scheme that cannot store head_dim.
     """
 
     def __init__(
@@ -99,16 +96,15 @@ class BatchedKVCache:
     ):
         if page_size < 1 or capacity_tokens < page_size:
             raise ValueError(f"capacity_tokens {capacity_tokens} must hold at least one page of {page_size} tokens")
-        self.layers, self.n_kv_heads, self.head_dim = tuple(layers), n_kv_heads, head_dim
+        self.layers = tuple(LayerSpec(LayerFormat(k, v, head_dim), w) for k, v, w in layers)
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         num_pages = capacity_tokens // page_size
         rows = num_pages * n_kv_heads * page_size
-        probe = mx.zeros((1, n_kv_heads, 1, head_dim), mx.float32)
-        keys = [_allocate(spec.key_codec.encode(probe), rows) for spec in self.layers]
-        values = [_allocate(spec.value_codec.encode(probe), rows) for spec in self.layers]
-        self.storage = PagedStorage(keys, values, n_kv_heads=n_kv_heads, page_size=page_size)
+        pools = [pool_rows.allocate(spec.fmt, rows) for spec in self.layers]
+        self.storage = PagedStorage(pools, n_kv_heads=n_kv_heads, page_size=page_size)
         budgets = [
-            LayerBudget(None if s.window is None else s.window.max_size, _row_bytes(k + v) * n_kv_heads)
-            for s, k, v in zip(self.layers, keys, values)
+            LayerBudget(None if s.window is None else s.window.max_size, s.fmt.bytes_per_row * n_kv_heads)
+            for s in self.layers
         ]
         self.slots = SlotTable(num_pages=num_pages, page_size=page_size, max_slots=max_slots, layers=budgets)
         self.windows = tuple(dict.fromkeys(spec.window for spec in self.layers))  # distinct rules, in order
@@ -175,6 +171,10 @@ class BatchedKVCache:
         layers = [PagedLayerCache(self.storage, i, spec, indices[spec.window]) for i, spec in enumerate(self.layers)]
         return PagedBatch(layers, [a for layer in layers for a in layer.prefetched])
 
+    @property
+    def num_pages(self) -> int:
+        return self.slots.num_pages
+
     def decode_indices(self, views: Sequence[SlotView]) -> list[list[mx.array]]:
         """Reserve and advance one token per row; the index arrays a traced decode forward takes.
 
@@ -199,10 +199,7 @@ class BatchedKVCache:
             the storage they write (read its `arrays` after the forward).
         """
         storage = self.storage.with_arrays(arrays)
-        indices = {
-            window: ForwardIndex.from_decode_arrays(window, group, page_size=self.page_size)
-            for window, group in zip(self.windows, indices)
-        }
+        indices = {window: ForwardIndex.from_decode_arrays(group) for window, group in zip(self.windows, indices)}
         layers = [PagedLayerCache(storage, i, spec, indices[spec.window]) for i, spec in enumerate(self.layers)]
         return layers, storage
 
@@ -214,10 +211,10 @@ class BatchedKVCache:
         for row, table in enumerate(tables):
             padded[row, : len(table)] = table
         starts = np.array(starts, np.int64)
-        shape = {"n_kv_heads": self.n_kv_heads, "page_size": self.page_size}
+        shape = {"n_kv_heads": self.n_kv_heads, "num_pages": self.num_pages, "page_size": self.page_size}
         bucket = bucket_pages if traced else None
         return {
-            w: ForwardIndex.from_plan(w, plan_group(w, starts, num_new, padded, read_pages=bucket, **shape), starts,
+            w: ForwardIndex.from_plan(plan_group(w, starts, num_new, padded, read_pages=bucket, **shape), starts,
                                       as_arrays=traced)
             for w in self.windows
         }
@@ -235,13 +232,3 @@ class PagedBatch:
 
     layers: list[PagedLayerCache]
     prefetch: list[mx.array]
-
-
-def _allocate(probe, rows: int) -> list[mx.array]:
-    """Zeroed storage `[rows, *]` for each field of a probe encoding [1, H, 1, *]."""
-    return [mx.zeros((rows, *f.shape[3:]), f.dtype) for f in probe]
-
-
-def _row_bytes(fields: Sequence[mx.array]) -> int:
-    """Bytes of one storage row (one head of one token) across fields."""
-    return sum(math.prod(f.shape[1:]) * f.dtype.size for f in fields)

@@ -10,7 +10,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from .kv import KVCache
 from .recurrent import RecurrentStateCache
-from .schemes import make_codecs
+from .schemes import layer_parts
 from .window import Window
 
 
@@ -19,7 +19,7 @@ class CacheOptions:
     """Request-independent cache settings of one model instance.
 
     Attributes:
-        scheme (str): `raw`, `affine8`, `affine4` or `aura{K}v{V}`.
+        scheme (str): A scheme spec (`services.engine.cache.schemes`), e.g. `aura4v4+1=aura8v8`.
         max_context (int): Context cap per sequence (tokens).
         window (Window | None): User sliding window with sinks, composed with architectural ones.
         raw_layers (frozenset[int]): Layers kept raw whatever the scheme.
@@ -64,6 +64,6 @@ def make_layer_caches(model: nn.Module, options: CacheOptions) -> list:
         else:
             raise ValueError(f"layer {layer}: cache kind {type(proto).__name__} is not supported")
         scheme = "raw" if layer in options.raw_layers else options.scheme
-        key_codec, value_codec = make_codecs(scheme, layer=layer, dtype=dtype)
-        caches.append(KVCache(key_codec, value_codec, max_tokens=options.max_context, window=window))
+        key, value = layer_parts(scheme, layer=layer, dtype=dtype)
+        caches.append(KVCache(key, value, max_tokens=options.max_context, window=window))
     return caches

@@ -1,174 +1,196 @@
-"""`KVCache`: one layer's K/V storage in any codec, growing in steps, optionally windowed."""
+"""`KVCache`: one layer's K/V of B sequences in page pools, any scheme, optionally windowed."""
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
+from kernels.kv_format import LayerFormat, PartFormat
+from kernels.paged_attention import (History, PoolRef, WindowRule, contiguous_attention, decode_attention,
+                                     prefill_attention, uses_cuda)
 from shared.errors import ContextOverflow
 
-from .codecs import Fields, KVCodec
+from . import pool_rows
 from .protocol import AttendingCache
-from .quantized import Packed, affine_attention, attends_packed
 from .window import Window
 
-
-def _slice(fields: Fields, stop: int) -> Fields:
-    return tuple(f[:, :, :stop] for f in fields)
+PAGE_SIZE = 16  # token slots per page of a single-sequence cache
 
 
-def _token_bytes(fields: Fields) -> int:
-    """Bytes one token occupies across fields, all batch rows included."""
-    return sum(f.nbytes // f.shape[2] for f in fields)
+@dataclass(frozen=True, slots=True)
+class _Update:
+    """What `attend` needs about the tokens the last `update_and_fetch` stored."""
+
+    start: int  # position of the first new token
+    num_new: int  # L
+    rows: tuple[mx.array, ...]  # the new tokens' pool rows [B, H, L, width]
+    history: tuple[mx.array, ...] | None  # old ring slots [B, H, T, width] when a chunk wrapped the window
 
 
 class KVCache(AttendingCache):
     """One attention layer's cache, speaking mlx-lm's cache protocol.
 
-    Storage is one array per codec field, `[B, n_kv_heads, capacity, *]`, grown in
-    `step`-token increments as tokens arrive and never past `max_tokens` (the context
-    cap) or, under a window, past `window.max_size`: memory is never preallocated to
-    the advertised context. `offset` counts every token seen; it drives RoPE and keeps
+    Storage is the layer's pools (`kernels.kv_format`), row b of the batch owning pages
+    `b * NP .. (b + 1) * NP - 1`, grown `step` tokens at a time and never past `max_tokens`
+    (the context cap) or, under a window, past `window.max_size`: memory is never preallocated
+    to the advertised context. `offset` counts every token seen (it drives RoPE) and keeps
     growing across window evictions, while the live length stays `<= window.max_size`.
+    Attention reads the pools in place (`kernels.paged_attention`).
 
     Args:
-        key_codec (KVCodec): Codec for keys.
-        value_codec (KVCodec): Codec for values.
+        key (PartFormat): How keys are stored.
+        value (PartFormat): How values are stored.
         max_tokens (int): Context cap for this sequence, in tokens (`--max-context`).
         window (Window | None): Sliding window with sinks, or `None` for full attention.
 
     Raises:
-        ContextOverflow: from `update_and_fetch` when a full-attention cache would pass
-            `max_tokens`.
+        ContextOverflow: from `update_and_fetch` when a full-attention cache would pass `max_tokens`.
+        ValueError: from the first `update_and_fetch` when the scheme cannot store its head_dim.
     """
 
     step = 256
 
-    def __init__(self, key_codec: KVCodec, value_codec: KVCodec, *, max_tokens: int, window: Window | None = None):
-        self.key_codec = key_codec
-        self.value_codec = value_codec
-        self.max_tokens = max_tokens
-        self.window = window
+    def __init__(self, key: PartFormat, value: PartFormat, *, max_tokens: int, window: Window | None = None):
+        self.key, self.value = key, value
+        self.max_tokens, self.window = max_tokens, window
         self.offset = 0
-        self._keys: Fields | None = None
-        self._values: Fields | None = None
+        self.fmt: LayerFormat | None = None  # known at the first update (head_dim)
+        self._store: tuple[mx.array, ...] | None = None  # per pool [H, B, capacity, width]
+        self._batch = self._heads = self._row_pages = 0
+        self._update: _Update | None = None
 
     # -- sizes -----------------------------------------------------------------
 
     @property
     def num_live(self) -> int:
-        """Tokens whose K/V are held (tokens)."""
+        """Tokens whose K/V are held per row (tokens)."""
         return self.offset if self.window is None else min(self.offset, self.window.max_size)
 
     @property
     def capacity(self) -> int:
         """Token slots allocated per batch row (tokens)."""
-        return 0 if self._keys is None else self._keys[0].shape[2]
+        return self._row_pages * PAGE_SIZE
 
     @property
     def nbytes(self) -> int:
-        """Bytes held for live tokens, K and V, every field (scales and biases) included."""
-        if self._keys is None:
-            return 0
-        return self.num_live * (_token_bytes(self._keys) + _token_bytes(self._values))
+        """Bytes held for live tokens, K and V, metadata included, all rows."""
+        return 0 if self.fmt is None else self.num_live * self._batch * self._heads * self.fmt.bytes_per_row
 
     @property
     def capacity_nbytes(self) -> int:
         """Bytes allocated, live or not."""
-        if self._keys is None:
-            return 0
-        return sum(f.nbytes for f in self._keys + self._values)
+        return 0 if self._store is None else sum(p.nbytes for p in self._store)
 
     def size(self) -> int:
         return self.num_live
 
     def empty(self) -> bool:
-        return self._keys is None
+        return self._store is None
+
+    @property
+    def _pools(self) -> tuple[mx.array, ...]:
+        """The store as pools `[H * B * capacity, width]` (row b owns pages `b * NP ..`), views."""
+        return tuple(p.reshape(-1, p.shape[-1]) for p in self._store)
 
     # -- the protocol ------------------------------------------------------------
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Store L new tokens and return what attention reads.
+        """Store L new tokens; `attend` then computes attention over what is held.
 
         Args:
-            keys (mx.array): [B, n_kv_heads, L, head_dim], RoPE already applied at
-                positions `offset .. offset+L-1`.
+            keys (mx.array): [B, n_kv_heads, L, head_dim], RoPE applied at positions `offset ..`.
             values (mx.array): [B, n_kv_heads, L, head_dim].
 
         Returns:
-            tuple: keys and values [B, n_kv_heads, T, head_dim] in the codecs' attention
-            domain, ordered as `make_mask(L)` assumes; for a phase that attends on packed
-            codes (`quantized.attends_packed`), `Packed` handles of the stored fields instead.
+            tuple: `keys, values` unchanged (attention reads the pools, see `attend`).
 
         Raises:
             ContextOverflow: the sequence would pass `max_tokens` (full attention only).
         """
-        num_new, start = keys.shape[2], self.offset
-        k_new, v_new = self.key_codec.encode(keys), self.value_codec.encode(values)
+        batch, heads, num_new, head_dim = keys.shape
+        start = self.offset
         if self.window is None and start + num_new > self.max_tokens:
             raise ContextOverflow(start + num_new, self.max_tokens, what="sequence")
-        if self.window is None or start + num_new <= self.window.max_size:
-            self._write(k_new, v_new, None, start)
-            self.offset += num_new
-            return self._fetch(self.num_live, num_new)
-        if num_new == 1:  # the slot it evicts is exactly the one that fell out of the window
-            self._write(k_new, v_new, self.window.slot(np.array([start])), start)
-            self.offset += 1
-            return self._fetch(self.window.max_size, 1)
-        # A chunk that wraps: attend over old live slots plus the whole chunk, then keep the ring.
-        new_k, new_v = self.key_codec.decode(k_new), self.value_codec.decode(v_new)
-        if self.num_live:
-            old_k, old_v = self._fetch(self.num_live, num_new)
-            new_k, new_v = mx.concatenate([old_k, new_k], axis=2), mx.concatenate([old_v, new_v], axis=2)
-        self._write_ring(k_new, v_new, start)
+        if self.fmt is None:
+            self.fmt, self._batch, self._heads = LayerFormat(self.key, self.value, head_dim), batch, heads
+        new = pool_rows.encode(self.fmt, keys, values)
+        window, history = self.window, None
+        if window is None or start + num_new <= window.max_size:
+            self._write(start, new)
+        elif num_new == 1:  # the slot it evicts is exactly the one that fell out of the window
+            self._write(int(window.slot(np.array([start]))[0]), new)
+        else:  # a chunk that wraps: attention reads the old ring, then the ring is written
+            self._reserve(self.window.max_size)
+            history = self._views(self.num_live)
+            self._write_ring(new, start)
         self.offset += num_new
-        return new_k, new_v
+        self._update = _Update(start, num_new, new, history)
+        return keys, values
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        """Mask for N queries at positions `offset .. offset+N-1`, matching `update_and_fetch`.
+        """`None` for one query, else `"causal"`; `attend` masks from positions, not from this.
 
-        Returns `None` (one query, every key visible), `"causal"`, or a boolean [N, T] array.
+        Raises:
+            ValueError: a plain `window_size` asked of a full-attention layer that it would cut.
         """
-        start = self.offset
-        window = self.window or (Window(window_size) if window_size else None)
-        if window is None or start + N <= window.max_size:
-            if window_size is not None and self.window is None and start + N > window_size:
-                return mx.array(window.visible(np.arange(start, start + N), np.arange(start + N)))
-            if N == 1:
-                return None
-            if return_array:
-                return mx.array(np.tril(np.ones((N, start + N), bool), k=start))
-            return "causal"
-        if N == 1:
-            return None
-        keys = np.concatenate([window.stored_positions(start), np.arange(start, start + N)])
-        return mx.array(window.visible(np.arange(start, start + N), keys))
+        if window_size is not None and self.window is None and self.offset + N > window_size:
+            raise ValueError("a sliding window_size on a full-attention cache is not supported; "
+                             "give the layer a window (make_cache's RotatingKVCache)")
+        return None if N == 1 else "causal"
 
     def attend(self, queries, keys, values, *, scale: float, mask, sinks=None) -> mx.array:
-        """Scaled dot-product attention over what `update_and_fetch` returned.
+        """Attention of queries [B, n_heads, L, head_dim] over the held tokens (and the new ones).
 
-        Decoded K/V go through `mx.fast` SDPA; `Packed` affine fields through
-        `affine_attention` (or are decoded first when the model has learned sinks).
-
-        Args:
-            queries (mx.array): [B, n_heads, L, head_dim] with RoPE applied.
-            keys, values: [B, n_kv_heads, T, head_dim] in the codecs' domain, or `Packed`.
-            scale (float): Score scale, usually head_dim**-0.5.
-            mask: `None`, `"causal"` or a boolean/additive array broadcastable to [B, n_heads, L, T].
+        Visibility follows from positions (causal, the window rule); `mask` is used only when
+        a caller passes an explicit array ([L, T] over the live slots in slot order): then
+        the live slots are decoded and given to `mx.fast` SDPA with it.
 
         Returns:
-            mx.array: [B, n_heads, L, head_dim] in the model's domain.
+            mx.array: [B, n_heads, L, head_dim] in the queries' dtype.
+
+        Raises:
+            ValueError: an explicit mask for a chunk that wrapped the window.
         """
-        if isinstance(keys, Packed):
-            if sinks is None:
-                return affine_attention(queries, keys.fields, values.fields, key_codec=self.key_codec,
-                                        value_codec=self.value_codec, scale=scale, mask=mask)
-            keys, values = self.key_codec.decode(keys.fields), self.value_codec.decode(values.fields)
-        q = self.key_codec.rotate_query(queries)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
-        return self.value_codec.unrotate_output(out)
+        update, fmt = self._update, self.fmt
+        if isinstance(mask, mx.array):
+            return self._dense(queries, mask, scale, sinks)
+        ref = PoolRef(fmt, self._pools, self._heads, PAGE_SIZE)
+        live, batch = self.num_live, self._batch
+        if update.history is not None:
+            positions = mx.array(np.tile(self.window.stored_positions(update.start), (batch, 1)).astype(np.int32))
+            history = History(self._lengths(update.history[0].shape[2]), rows=update.history, positions=positions)
+            return self._prefill(queries, ref, history, update, WindowRule(self.window.keep, self.window.ring),
+                                 scale, sinks)
+        if update.num_new == 1 and (not fmt.is_raw or uses_cuda(fmt)):
+            return decode_attention(queries, ref, self._page_table(-(-live // PAGE_SIZE)), self._lengths(live),
+                                    scale=scale, sinks=sinks)
+        if fmt.is_raw:
+            k, v = self._views(live)
+            return contiguous_attention(queries, k, v, scale=scale, mask=None if update.num_new == 1 else "causal",
+                                        sinks=sinks)
+        history = None
+        if update.start:
+            history = History(self._lengths(update.start), self._page_table(-(-update.start // PAGE_SIZE)))
+        return self._prefill(queries, ref, history, update, None, scale, sinks)
+
+    def _dense(self, queries, mask, scale, sinks):
+        if self._update.history is not None:
+            raise ValueError("an explicit mask is not supported for a chunk that wraps the window")
+        keys, values = self.fmt.decode(self._views(self.num_live))
+        q = self.fmt.rotate_query(queries.astype(keys.dtype))
+        out = contiguous_attention(q, keys, values.astype(keys.dtype), scale=scale, mask=mask, sinks=sinks)
+        return self.fmt.unrotate_output(out).astype(queries.dtype)
+
+    def _prefill(self, queries, ref, history, update: _Update, window, scale, sinks):
+        new_k, new_v = self.fmt.decode(update.rows)
+        positions = mx.broadcast_to(mx.arange(update.start, update.start + update.num_new, dtype=mx.int32)[None],
+                                    (self._batch, update.num_new))
+        return prefill_attention(queries, ref, history, new_k, new_v, positions, window=window, scale=scale,
+                                 sinks=sinks)
 
     def is_trimmable(self) -> bool:
         return self.window is None or self.offset <= self.window.max_size
@@ -183,74 +205,102 @@ class KVCache(AttendingCache):
 
     @property
     def state(self) -> tuple[mx.array, ...]:
-        if self._keys is None:
-            return ()
-        if self.window is None or self.offset <= self.window.max_size:
-            return _slice(self._keys, self.num_live) + _slice(self._values, self.num_live)
-        return self._keys + self._values
+        """Per pool, the live slots' rows [B, n_kv_heads, T, width] in slot order."""
+        return () if self._store is None else self._views(self.num_live)
 
     @state.setter
     def state(self, arrays) -> None:
         arrays = tuple(arrays)
-        half = len(arrays) // 2
-        self._keys, self._values = (arrays[:half], arrays[half:]) if arrays else (None, None)
+        if not arrays:
+            self._store, self._row_pages = None, 0
+            return
+        self._batch, self._heads, num_slots, _ = arrays[0].shape
+        self._row_pages = -(-num_slots // PAGE_SIZE)
+        pad = self._row_pages * PAGE_SIZE - num_slots
+        self._store = tuple(mx.pad(a, [(0, 0), (0, 0), (0, pad), (0, 0)]).transpose(1, 0, 2, 3) for a in arrays)
 
     @property
     def meta_state(self) -> dict[str, str]:
         meta = {"offset": str(self.offset), "max_tokens": str(self.max_tokens)}
+        if self.fmt is not None:
+            meta["head_dim"] = str(self.fmt.head_dim)
         if self.window is not None:
             meta |= {"window_max_size": str(self.window.max_size), "window_keep": str(self.window.keep)}
-        meta |= {f"key_{k}": v for k, v in self.key_codec.meta().items()}
-        return meta | {f"value_{k}": v for k, v in self.value_codec.meta().items()}
+        meta |= {f"key_{k}": v for k, v in self.key.meta().items()}
+        return meta | {f"value_{k}": v for k, v in self.value.meta().items()}
+
+    def restore_format(self, head_dim: int) -> None:
+        """Set the layer format after `state` was assigned (persistence)."""
+        self.fmt = LayerFormat(self.key, self.value, head_dim)
 
     # -- storage ----------------------------------------------------------------
 
-    def _fetch(self, stop: int, num_queries: int) -> tuple:
-        """The first `stop` slots as attention will read them for `num_queries` queries."""
-        keys, values = _slice(self._keys, stop), _slice(self._values, stop)
-        if attends_packed(self.key_codec, self.value_codec, num_queries):
-            return Packed(keys), Packed(values)
-        return self.key_codec.decode(keys), self.value_codec.decode(values)
+    def _views(self, num_slots: int) -> tuple[mx.array, ...]:
+        """Slots `0 .. num_slots-1` of every row as views [B, H, num_slots, width] per pool."""
+        return tuple(p.transpose(1, 0, 2, 3)[:, :, :num_slots] for p in self._store)
+
+    def _lengths(self, n: int) -> mx.array:
+        return _lengths(self._batch, n)
+
+    def _page_table(self, num_pages: int) -> mx.array:
+        return _identity_table(self._batch, self._row_pages, num_pages)
 
     def _limit(self) -> int:
         return self.max_tokens if self.window is None else self.window.max_size
 
-    def _reserve(self, needed: int, like_k: Fields, like_v: Fields) -> None:
-        """Grow storage to hold `needed` token slots (rounded up to `step`, capped)."""
+    def _reserve(self, needed: int) -> None:
+        """Grow every row to hold `needed` slots (rounded up to `step`, capped; pages appended)."""
         if needed <= self.capacity:
             return
-        new_cap = min(self._limit(), self.step * math.ceil(needed / self.step))
-        live = self.num_live
+        tokens = min(max(self._limit(), needed), self.step * math.ceil(needed / self.step))
+        pages = -(-tokens // PAGE_SIZE)
+        shape = (self._heads, self._batch, pages * PAGE_SIZE)
+        if self._store is None:
+            self._store = tuple(p.reshape(*shape, -1) for p in pool_rows.allocate(self.fmt, math.prod(shape)))
+        else:
+            grow = [(0, 0), (0, 0), (0, pages * PAGE_SIZE - self.capacity), (0, 0)]
+            self._store = tuple(mx.pad(p, grow) for p in self._store)
+        self._row_pages = pages
 
-        def grow(old: Fields | None, like: Fields) -> Fields:
-            fresh = tuple(
-                mx.zeros((*f.shape[:2], new_cap - (live if old else 0), *f.shape[3:]), f.dtype) for f in like
-            )
-            if old is None:
-                return fresh
-            return tuple(mx.concatenate([o[:, :, :live], z], axis=2) for o, z in zip(old, fresh))
+    def _rows(self, slots: np.ndarray) -> np.ndarray:
+        """Pool rows [B, H, n] of logical slots [B, n]."""
+        table = np.arange(self._batch)[:, None] * self._row_pages + np.arange(self._row_pages)[None, :]
+        return pool_rows.flat_rows(table, slots, n_kv_heads=self._heads, num_pages=self._batch * self._row_pages,
+                                   page_size=PAGE_SIZE)
 
-        self._keys, self._values = grow(self._keys, like_k), grow(self._values, like_v)
+    def _write(self, first: int, new: tuple[mx.array, ...]) -> None:
+        """Write the new tokens [B, H, L, width] to slots `first .. first+L-1` of every row (a slice update)."""
+        num_new = new[0].shape[2]
+        self._reserve(first + num_new)
+        store = []
+        for pool, x in zip(self._store, new):
+            pool[:, :, first : first + num_new] = x.transpose(1, 0, 2, 3)
+            store.append(pool)
+        self._store = tuple(store)
 
-    def _write(self, k_new: Fields, v_new: Fields, slots: np.ndarray | None, start: int) -> None:
-        num_new = k_new[0].shape[2]
-        if slots is None:
-            self._reserve(start + num_new, k_new, v_new)
-            for store, new in ((self._keys, k_new), (self._values, v_new)):
-                for f, x in zip(store, new):
-                    f[:, :, start : start + num_new] = x
-            return
-        idx = mx.array(slots)
-        for store, new in ((self._keys, k_new), (self._values, v_new)):
-            for f, x in zip(store, new):
-                f[:, :, idx] = x
-
-    def _write_ring(self, k_new: Fields, v_new: Fields, start: int) -> None:
+    def _write_ring(self, new: tuple[mx.array, ...], start: int) -> None:
         """Write a wrapping chunk: per slot, only the newest position that maps to it survives."""
-        num_new = k_new[0].shape[2]
-        self._reserve(self.window.max_size, k_new, v_new)
+        num_new = new[0].shape[2]
+        self._reserve(self.window.max_size)
         slots = self.window.slot(np.arange(start, start + num_new))
-        last_for_slot = {int(s): i for i, s in enumerate(slots)}  # later positions overwrite
-        dest = np.fromiter(last_for_slot.keys(), np.int64)
-        src = mx.array(np.fromiter(last_for_slot.values(), np.int64))
-        self._write(tuple(x[:, :, src] for x in k_new), tuple(x[:, :, src] for x in v_new), dest, start)
+        _, first_from_end = np.unique(slots[::-1], return_index=True)
+        chunk_index = num_new - 1 - first_from_end
+        rows = self._rows(np.broadcast_to(slots[chunk_index], (self._batch, chunk_index.size)))
+        heads = np.arange(self._batch * self._heads)[:, None]
+        source = (heads * num_new + chunk_index[None, :]).reshape(-1)
+        pools = pool_rows.write(self._pools, mx.array(rows.reshape(-1).astype(np.int32)), new,
+                                mx.array(source.astype(np.int32)))
+        self._store = tuple(p.reshape(s.shape) for p, s in zip(pools, self._store))
+
+
+@functools.lru_cache(maxsize=256)
+def _lengths(batch: int, n: int) -> mx.array:
+    """int32 [batch] of n (shared by every layer of a step)."""
+    return mx.full((batch,), n, dtype=mx.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def _identity_table(batch: int, row_pages: int, num_pages: int) -> mx.array:
+    """int32 [batch, num_pages]: row b owns pages `b * row_pages ..` in order."""
+    rows = np.arange(batch)[:, None] * row_pages + np.arange(num_pages)[None, :]
+    return mx.array(rows.astype(np.int32))

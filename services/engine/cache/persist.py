@@ -1,13 +1,13 @@
 """Save and load per-layer caches: one safetensors file, arrays plus a JSON description.
 
 Format (`FORMAT`, version `VERSION`). Tensor `layers.{i}.{j}` is the j-th array of layer i's
-`state` (for `KVCache`: the key codec's fields, then the value codec's, each
-[B, n_kv_heads, T, *] with T the live slots, or the whole ring once a window has wrapped).
+`state` (for `KVCache`: its pools' rows [B, n_kv_heads, T, width], T the live slots, or the
+whole ring once a window has wrapped; `kernels.kv_format` describes a row).
 The safetensors header metadata holds three strings: `format`, `version`, and `caches`, a
 JSON list with one entry per layer, `{"class", "meta_state", "num_arrays", "present"}`
 (`present` marks which `state` entries were not `None`), plus `metadata`, the caller's
 JSON-serialisable dict. `meta_state` carries everything the cache and its codecs are rebuilt
-from: offset, context cap, window, and each codec's `meta()` under `key_`/`value_` prefixes,
+from: offset, context cap, window, head_dim, and each part's `meta()` under `key_`/`value_` prefixes,
 AURA rotation seeds included, so codes written by one process decode the same in another.
 
 Source: safetensors format (https://github.com/huggingface/safetensors); MLX
@@ -23,11 +23,11 @@ import mlx.core as mx
 
 from .kv import KVCache
 from .recurrent import RecurrentStateCache
-from .schemes import codec_from_meta
+from .schemes import part_from_meta
 from .window import Window
 
 FORMAT = "buttermilk.kv_caches"
-VERSION = "1"
+VERSION = "2"  # 2: pool rows (kernels.kv_format) instead of per-codec fields
 _PREFIXES = ("key_", "value_")
 
 
@@ -63,7 +63,7 @@ def save_caches(path: str | Path, caches: list, metadata: dict | None = None) ->
 
 
 def load_caches(path: str | Path) -> tuple[list, dict]:
-    """Rebuild the caches `save_caches` wrote, codecs and rotations included.
+    """Rebuild the caches `save_caches` wrote, formats and rotations included.
 
     Args:
         path (str | Path): A file written by `save_caches`.
@@ -74,7 +74,7 @@ def load_caches(path: str | Path) -> tuple[list, dict]:
 
     Raises:
         ValueError: the file is not in this format or version, or describes an unknown
-            cache class or codec.
+            cache class or part format.
     """
     arrays, header = mx.load(str(path), return_metadata=True)
     if header.get("format") != FORMAT or header.get("version") != VERSION:
@@ -98,12 +98,14 @@ def _rebuild(kind: str, meta: dict[str, str], state: list):
 
 
 def _rebuild_kv(meta: dict[str, str], state: list) -> KVCache:
-    key_codec, value_codec = (codec_from_meta(_strip(meta, prefix)) for prefix in _PREFIXES)
+    key, value = (part_from_meta(_strip(meta, prefix)) for prefix in _PREFIXES)
     window = None
     if "window_max_size" in meta:
         window = Window(int(meta["window_max_size"]), int(meta["window_keep"]))
-    cache = KVCache(key_codec, value_codec, max_tokens=int(meta["max_tokens"]), window=window)
+    cache = KVCache(key, value, max_tokens=int(meta["max_tokens"]), window=window)
     cache.state, cache.offset = state, int(meta["offset"])
+    if "head_dim" in meta:
+        cache.restore_format(int(meta["head_dim"]))
     return cache
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .kv import KVCache
-from .schemes import scheme_name
 
 
 def geometry(loaded) -> dict:
@@ -27,10 +26,10 @@ def geometry(loaded) -> dict:
 
 
 def layer_report(layer: int, cache, model_dtype: mx.Dtype) -> dict:
-    """One layer's cache: kind, scheme, window, live tokens, field shapes and bytes.
+    """One layer's cache: kind, scheme, window, live tokens, pool shapes and bytes.
 
     For a `KVCache` holding tokens it adds `bytes_per_token` (bytes per live token, K and V,
-    every field and batch row: `nbytes / live_tokens`), `bits_per_element` (the same per K or
+    metadata and batch rows included: `nbytes / live_tokens`), `bits_per_element` (the same per K or
     V element, metadata included) and `ratio_to_raw` (against a raw cache in `model_dtype`).
 
     Args:
@@ -44,19 +43,19 @@ def layer_report(layer: int, cache, model_dtype: mx.Dtype) -> dict:
     row = {"layer": layer, "kind": type(cache).__name__, "nbytes": cache.nbytes}
     if not isinstance(cache, KVCache):
         return row
-    fields = [] if cache.empty() else [*cache._keys, *cache._values]
+    pools = [] if cache.empty() else list(cache.state)
     row |= {
-        "scheme": scheme_name(cache.key_codec, cache.value_codec),
+        "scheme": None if cache.fmt is None else cache.fmt.name,
         "window": None if cache.window is None else [cache.window.max_size, cache.window.keep],
         "live_tokens": cache.num_live,
         "offset": cache.offset,
         "capacity_tokens": cache.capacity,
         "capacity_nbytes": cache.capacity_nbytes,
-        "fields": [{"shape": list(f.shape), "dtype": str(f.dtype).removeprefix("mlx.core.")} for f in fields],
+        "pools": [{"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("mlx.core.")} for p in pools],
     }
-    if cache.num_live and fields:
-        batch, n_kv_heads = fields[0].shape[:2]
-        elements_per_token = 2 * batch * n_kv_heads * _head_dim(cache)  # K and V
+    if cache.num_live and pools:
+        batch, n_kv_heads = pools[0].shape[:2]
+        elements_per_token = 2 * batch * n_kv_heads * cache.fmt.head_dim  # K and V
         per_token = cache.nbytes / cache.num_live
         row |= {
             "bytes_per_token": round(per_token, 2),
@@ -81,10 +80,5 @@ def bits_per_element(caches: list) -> float:
     held = [c for c in caches if isinstance(c, KVCache) and c.num_live]
     if not held:
         raise ValueError("no KV cache layer holds a token")
-    elements = sum(2 * c._keys[0].shape[0] * c._keys[0].shape[1] * _head_dim(c) * c.num_live for c in held)
+    elements = sum(2 * c.nbytes // c.fmt.bytes_per_row * c.fmt.head_dim for c in held)
     return 8.0 * sum(c.nbytes for c in held) / elements
-
-
-def _head_dim(cache: KVCache) -> int:
-    """head_dim, read off one decoded token (the packed fields do not show it directly)."""
-    return int(cache.key_codec.decode(tuple(f[:, :, :1] for f in cache._keys)).shape[-1])

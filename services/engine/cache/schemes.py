@@ -1,41 +1,99 @@
-"""Cache schemes by name: which codec stores keys and which stores values, per layer."""
+"""Cache schemes by name: one registry entry per family, read by every part of the product.
+
+A scheme name (`raw`, `affine8`, `aura4v2`, …) gives the key and value `PartFormat` of a layer;
+`base+{layer}={name}` overrides single layers. Everything else — bits per element, bytes per
+token, persistence (`PartFormat.meta`), help texts — derives from the parts, so adding a
+family means its codec (encode/decode in `kernels.kv_format` and the CUDA kernels) plus one
+`Family` entry here.
+"""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import mlx.core as mx
 
-from kernels.aura import parse_aura_scheme
+from kernels.kv_format import AFFINE, AURA, RAW, LayerFormat, PartFormat
 from services.engine.model.gguf import DTYPES
 
-from .codecs import KVCodec, RawCodec
-from .quantized import AURA_SEED, AffineCodec, AuraCodec
+AURA_SEED = 0x0A0A  # base of the per-layer rotation seeds (K: +2*layer, V: +2*layer+1); part of the format
+# Affine bits -> group size. affine6 at group 64 (6.5 bits/element) sits between affine4
+# (5.0) and affine8 (8.5) in bytes and in KL (`buttermilk eval-kv`, README table).
+AFFINE_GROUP_SIZES = {8: 64, 6: 64, 4: 32}
 
-AFFINE = {"affine8": (8, 64), "affine4": (4, 32)}  # name → (bits, group_size)
-SCHEMES = ("raw", "affine8", "affine4", "aura4v4", "aura4v2", "aura8v4", "aura8v8")  # named in --help
+Parts = tuple[PartFormat, PartFormat]
 
 
-def make_codecs(scheme: str, *, layer: int, dtype: mx.Dtype) -> tuple[KVCodec, KVCodec]:
-    """Build the (key, value) codecs of one layer.
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One family of scheme names.
 
-    A scheme may give single layers another scheme: `aura4v4+1=aura8v8` is aura4v4 except
+    Attributes:
+        pattern (re.Pattern): Full-match pattern of the names.
+        build (Callable[[re.Match, int, mx.Dtype], Parts]): (match, layer, model dtype) -> parts.
+        listed (tuple[str, ...]): Names shown in help texts and benchmark defaults.
+        spelling (str): How the family is spelled in error messages.
+    """
+
+    pattern: re.Pattern
+    build: Callable[[re.Match, int, mx.Dtype], Parts]
+    listed: tuple[str, ...]
+    spelling: str
+
+
+def _raw(match: re.Match, layer: int, dtype: mx.Dtype) -> Parts:
+    part = PartFormat(RAW, 8 * dtype.size, dtype=dtype)
+    return part, part
+
+
+def _affine(match: re.Match, layer: int, dtype: mx.Dtype) -> Parts:
+    bits = int(match[1])
+    part = PartFormat(AFFINE, bits, AFFINE_GROUP_SIZES[bits], dtype=dtype)
+    return part, part
+
+
+def _aura(match: re.Match, layer: int, dtype: mx.Dtype) -> Parts:
+    seed = AURA_SEED + 2 * layer
+    return (PartFormat(AURA, int(match[1]), seed=seed, dtype=dtype),
+            PartFormat(AURA, int(match[2]), seed=seed + 1, dtype=dtype))
+
+
+FAMILIES = (
+    Family(re.compile(r"raw"), _raw, ("raw",), "raw"),
+    Family(re.compile(r"affine(8|6|4)"), _affine, ("affine8", "affine6", "affine4"), "affine{8,6,4}"),
+    Family(re.compile(r"aura([2-8])v([2-8])"), _aura, ("aura4v4", "aura4v2", "aura8v4", "aura8v8"),
+           "aura{K}v{V} with K, V in 2..8"),
+)
+SCHEMES = tuple(name for family in FAMILIES for name in family.listed)  # named in --help
+
+
+def layer_parts(scheme: str, *, layer: int, dtype: mx.Dtype) -> Parts:
+    """The (key, value) parts of one layer under a scheme spec.
+
+    A spec may give single layers another scheme: `aura4v4+1=aura8v8` is aura4v4 except
     layer 1, which gets aura8v8. On the default model layer 1 is the most sensitive by far
     (mean KL of aura4v2 on 2048 Lee tokens drops 0.160 -> 0.128 with layer 1 at aura8v8, but
-    only to 0.151 / 0.153 / 0.158 / 0.157 for layers 0 / 2 / 15 / 29), so `+1=aura8v8` buys
-    11-21% lower KL for 0.13 bit per element (numbers in `services/eval/README.md`).
+    only to 0.151 / 0.153 / 0.158 / 0.157 for layers 0 / 2 / 15 / 29).
 
     Args:
-        scheme (str): `raw`, `affine8`, `affine4`, or `aura{K}v{V}` with K, V in 2..8,
-            optionally followed by `+{layer}={scheme}` overrides.
+        scheme (str): A name, optionally followed by `+{layer}={name}` overrides.
         layer (int): Layer index (seeds its AURA rotations: K and V get different ones).
-        dtype (mx.Dtype): The model dtype; raw storage and decoded tensors use it.
+        dtype (mx.Dtype): The model dtype; raw storage uses it.
 
     Raises:
-        ValueError: unknown scheme or malformed override (the message lists the known ones).
+        ValueError: unknown name or malformed override (the message lists the known ones).
     """
     base, overrides = parse_layer_overrides(scheme)
     for name in (base, *overrides.values()):
-        _single_codecs(name, layer=layer, dtype=dtype)  # validate every part, whichever layer this is
-    return _single_codecs(overrides.get(layer, base), layer=layer, dtype=dtype)
+        _single(name, layer=layer, dtype=dtype)  # validate every part, whichever layer this is
+    return _single(overrides.get(layer, base), layer=layer, dtype=dtype)
+
+
+def layer_format(scheme: str, *, layer: int, dtype: mx.Dtype, head_dim: int) -> LayerFormat:
+    """`layer_parts` as a `LayerFormat` for `head_dim` (raises ValueError if it cannot store it)."""
+    return LayerFormat(*layer_parts(scheme, layer=layer, dtype=dtype), head_dim)
 
 
 def parse_layer_overrides(scheme: str) -> tuple[str, dict[int, str]]:
@@ -55,56 +113,43 @@ def parse_layer_overrides(scheme: str) -> tuple[str, dict[int, str]]:
     return base, overrides
 
 
-def _single_codecs(scheme: str, *, layer: int, dtype: mx.Dtype) -> tuple[KVCodec, KVCodec]:
-    if scheme == "raw":
-        return RawCodec(dtype), RawCodec(dtype)
-    if scheme in AFFINE:
-        bits, group = AFFINE[scheme]
-        return AffineCodec(bits, group, dtype), AffineCodec(bits, group, dtype)
-    if scheme.startswith("aura"):
-        key_bits, value_bits = parse_aura_scheme(scheme)
-        seed = AURA_SEED + 2 * layer
-        return AuraCodec(key_bits, seed, dtype), AuraCodec(value_bits, seed + 1, dtype)
-    raise ValueError(f"unknown KV cache scheme {scheme!r}; choose one of {', '.join(SCHEMES)} or aura{{K}}v{{V}}, "
+def _single(name: str, *, layer: int, dtype: mx.Dtype) -> Parts:
+    for family in FAMILIES:
+        match = family.pattern.fullmatch(name)
+        if match:
+            return family.build(match, layer, dtype)
+    families = "; ".join(f.spelling for f in FAMILIES)
+    raise ValueError(f"unknown KV cache scheme {name!r}; choose one of {', '.join(SCHEMES)} (families: {families}), "
                      "optionally with layer overrides such as +1=aura8v8")
 
 
-def scheme_name(key_codec: KVCodec, value_codec: KVCodec) -> str:
-    """The `--kv-cache` name of a codec pair: `raw`, `affine8`, `aura4v2`, or `key/value` names."""
-    if isinstance(key_codec, AuraCodec) and isinstance(value_codec, AuraCodec):
-        return f"aura{key_codec.bits}v{value_codec.bits}"
-    if key_codec.name == value_codec.name:
-        return key_codec.name
-    return f"{key_codec.name}/{value_codec.name}"
+def bits_per_element(scheme: str, *, head_dim: int, dtype: mx.Dtype, layer: int = 0) -> float:
+    """Stored bits per K/V element of one layer under `scheme`, metadata included (CACHES.md)."""
+    return layer_format(scheme, layer=layer, dtype=dtype, head_dim=head_dim).bits_per_element()
 
 
-def codec_from_meta(meta: dict[str, str]) -> KVCodec:
-    """Rebuild a codec from its `meta()` (the stored format: rotation seeds included).
-
-    Args:
-        meta (dict[str, str]): What `codec.meta()` returned.
-
-    Returns:
-        A codec equal in every stored-format respect to the one that wrote `meta`.
+def part_from_meta(meta: dict[str, str]) -> PartFormat:
+    """Rebuild a part from its `meta()` (the stored format: rotation seeds included).
 
     Raises:
-        ValueError: an unknown codec or dtype, or a missing key.
+        ValueError: an unknown kind or dtype, or a missing key.
     """
     try:
-        kind, dtype = meta["codec"], _dtype(meta["dtype"])
-        if kind == "raw":
-            return RawCodec(dtype)
-        if kind == "affine":
-            return AffineCodec(int(meta["bits"]), int(meta["group_size"]), dtype,
-                               scale_dtype=_dtype(meta["scale_dtype"]))
-        if kind == "aura":
-            return AuraCodec(int(meta["bits"]), int(meta["seed"]), dtype)
+        kind = meta["kind"]
+        if kind not in (RAW, AFFINE, AURA):
+            raise ValueError(f"unknown KV part kind {kind!r} in meta {meta}")
+        return PartFormat(kind, int(meta["bits"]), int(meta["group_size"]), int(meta["seed"]),
+                          resolve_dtype(meta["dtype"]))
     except KeyError as exc:
-        raise ValueError(f"codec meta {meta} lacks {exc}") from exc
-    raise ValueError(f"unknown codec {kind!r} in meta {meta}")
+        raise ValueError(f"KV part meta {meta} lacks {exc}") from exc
 
 
-def _dtype(name: str) -> mx.Dtype:
+def resolve_dtype(name: str) -> mx.Dtype:
+    """`"float16"` -> `mx.float16` (the dtype table of the importer).
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
     return DTYPES[name]

@@ -1,0 +1,185 @@
+"""Python side of the CUDA KV kernels: build once, pick template arguments, launch.
+
+`is_available()` says whether they can run here (MLX's CUDA backend is the default device).
+Constant inputs (codebooks, thresholds, rotation signs, scalar parameters) are built once per
+value and reused, so a traced decode step holds no per-step host data beyond its indices.
+
+Source: `kernels.cuda_source` (kernel bodies and their design).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from kernels.aura import aura_codebook
+from kernels.cuda_source import COMBINE, ENCODE, HEADER, PARTIAL
+from kernels.kv_format import AFFINE, AURA, RAW, LayerFormat, PartFormat
+from kernels.lloyd_max import lloyd_max_thresholds
+
+MODES = {RAW: 0, AFFINE: 1, AURA: 2}
+NUM_SMS = 132  # H200; only sizes the split count
+_LOG2E = math.log2(math.e)
+_SHARED_ACC_BYTES = 32 * 1024  # partial kernel: per-block merge buffer, E x G x D floats
+
+
+def is_available() -> bool:
+    """Whether the CUDA kernels can run: MLX's CUDA backend is present and the default device is the GPU."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+@functools.cache
+def _kernels() -> dict:
+    kernel = functools.partial(mx.fast.cuda_kernel, header=HEADER)
+    return {
+        "encode": kernel(name="bm_kv_encode", input_names=["k", "v", "ksign", "vsign", "cb", "thr"],
+                         output_names=["out"], source=ENCODE, ensure_row_contiguous=False),
+        "partial": kernel(name="bm_paged_decode_partial",
+                          input_names=["q", "kp", "vp", "kt", "vt", "pt", "lens", "cb", "qsign", "params", "fparams"],
+                          output_names=["o_part", "ml_part"], source=PARTIAL),
+        "combine": kernel(name="bm_paged_decode_combine", input_names=["o_part", "ml_part", "sinks", "vsign"],
+                          output_names=["out"], source=COMBINE),
+    }
+
+
+@functools.cache
+def _constant(values: tuple, dtype: mx.Dtype) -> mx.array:
+    return mx.array(np.array(values), dtype=dtype)
+
+
+@functools.cache
+def _tables(fmt: LayerFormat) -> tuple[mx.array, mx.array]:
+    """Codebooks and thresholds, float32 [512] each: keys at 0, values at 256 (zeros where unused)."""
+    cb, thr = np.zeros(512, np.float32), np.full(512, np.inf, np.float32)
+    for offset, part in ((0, fmt.key), (256, fmt.value)):
+        if part.kind == AURA:
+            cb[offset : offset + (1 << part.bits)] = np.array(aura_codebook(part.bits))
+            thr[offset : offset + (1 << part.bits) - 1] = lloyd_max_thresholds(part.bits)
+    return mx.array(cb), mx.array(thr)
+
+
+def _signs(part: PartFormat, head_dim: int) -> mx.array:
+    rotation = part.rotation(head_dim)
+    return rotation.signs if rotation is not None else _constant((1.0,), mx.float32)
+
+
+def _part_args(prefix: str, part: PartFormat) -> list[tuple[str, object]]:
+    return [(f"{prefix}MODE", MODES[part.kind]), (f"{prefix}BITS", max(part.bits, 1) if part.kind != RAW else 1),
+            (f"{prefix}GS", part.group_size or 1)]
+
+
+def _layout_args(fmt: LayerFormat) -> list[tuple[str, object]]:
+    return [("ROWW", fmt.row_words if not fmt.is_raw else fmt.head_dim), ("MOFF", fmt.meta_offset),
+            ("KWORDS", fmt.key_words), ("KMH", fmt.key_meta_halves), ("VMH", fmt.value_meta_halves)]
+
+
+def encode_rows(fmt: LayerFormat, keys: mx.array, values: mx.array) -> mx.array:
+    """Encode K and V [B, H, L, D] (any strides) into compressed rows uint32 [B, H, L, row_words].
+
+    Same codes as `LayerFormat.encode` (affine: identical; AURA: identical up to float rounding
+    of the rotation, which can move a coordinate that sits on a threshold to its neighbour cell).
+
+    Raises:
+        ValueError: a raw layer (raw layers store K and V as they come).
+    """
+    if fmt.is_raw:
+        raise ValueError("raw layers have no encoder")
+    batch, heads, length, head_dim = keys.shape
+    cb, thr = _tables(fmt)
+    odd = (fmt.key_meta_halves + fmt.value_meta_halves) % 2
+    (rows,) = _kernels()["encode"](
+        inputs=[keys, values, _signs(fmt.key, head_dim), _signs(fmt.value, head_dim), cb, thr],
+        template=[("T", keys.dtype), ("D", head_dim), *_part_args("K", fmt.key), *_part_args("V", fmt.value),
+                  *_layout_args(fmt), ("PADMETA", bool(odd))],
+        grid=(batch * heads * length * head_dim, 1, 1),
+        threadgroup=(head_dim, 1, 1),
+        output_shapes=[(batch, heads, length, fmt.row_words)],
+        output_dtypes=[mx.uint32],
+    )
+    return rows
+
+
+def _split_plan(max_tokens: int, batch: int, n_kv_heads: int, page_size: int) -> tuple[int, int]:
+    """(tokens per split, splits): enough blocks to fill the GPU about 4 times over."""
+    target = max(1, math.ceil(4 * NUM_SMS / (batch * n_kv_heads)))
+    per_split = max(page_size, math.ceil(math.ceil(max_tokens / target) / page_size) * page_size)
+    return per_split, max(1, math.ceil(max_tokens / per_split))
+
+
+def decode_attention(
+    queries: mx.array,
+    fmt: LayerFormat,
+    pools: tuple[mx.array, ...],
+    tails: tuple[mx.array, ...] | None,
+    page_table: mx.array,
+    lengths: mx.array,
+    *,
+    n_kv_heads: int,
+    page_size: int,
+    scale: float,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Fused paged decode attention: one query per row over its live token slots.
+
+    Args:
+        queries (mx.array): [B, n_heads, 1, D], RoPE applied, model dtype.
+        fmt (LayerFormat): The layer's storage format.
+        pools (tuple[mx.array, ...]): raw (K, V) [n_kv_heads * pages * P, D], or (rows,) uint32.
+        tails (tuple | None): Tail pools of the same format (pages numbered after `pools`'), or None.
+        page_table (mx.array): int32 [B, NP]; slots t < NP * P of row b live in page `page_table[b, t // P]`.
+        lengths (mx.array): int32 [B], live slots of each row (every one is attended).
+        n_kv_heads (int): KV heads (pool rows are head-major: `(h * pages + page) * P + slot`).
+        page_size (int): P.
+        scale (float): Score scale.
+        sinks (mx.array | None): [n_heads] learned attention-sink logits, or None.
+
+    Returns:
+        mx.array: [B, n_heads, 1, D] in the queries' dtype and the model's domain.
+    """
+    batch, n_heads, _, head_dim = queries.shape
+    group = n_heads // n_kv_heads
+    pages = pools[0].shape[0] // (n_kv_heads * page_size)
+    if tails is None:
+        tails, tail_pages = tuple(_dummy(p.dtype, p.shape[1]) for p in pools), 0
+    else:
+        tail_pages = tails[0].shape[0] // (n_kv_heads * page_size)
+    kp, vp = (pools[0], pools[1]) if fmt.is_raw else (pools[0], pools[0])
+    kt, vt = (tails[0], tails[1]) if fmt.is_raw else (tails[0], tails[0])
+    lanes = head_dim // 8  # 8 dims per lane: one 16-byte load of fp16/bf16
+    per_split, splits = _split_plan(page_table.shape[1] * page_size, batch, n_kv_heads, page_size)
+    warps = max(1, min(4, _SHARED_ACC_BYTES // (group * (32 // lanes) * head_dim * 4)))
+    rotate = fmt.key.kind == AURA
+    q_scale = scale * _LOG2E / (math.sqrt(head_dim) if rotate else 1.0)
+    cb, _ = _tables(fmt)
+    raw_dtype = fmt.key.dtype if fmt.is_raw else mx.uint32
+    o_part, ml_part = _kernels()["partial"](
+        inputs=[queries, kp, vp, kt, vt, page_table, lengths, cb, _signs(fmt.key, head_dim),
+                _constant((per_split, pages, tail_pages, 0), mx.int32), _constant((q_scale,), mx.float32)],
+        template=[("T", queries.dtype), ("RT", raw_dtype), ("D", head_dim), ("G", group), ("P", page_size),
+                  ("LPT", lanes), ("W", warps), ("U", 1), *_part_args("K", fmt.key), *_part_args("V", fmt.value),
+                  *_layout_args(fmt), ("ROTATE", rotate)],
+        grid=(splits * 32 * warps, n_kv_heads, batch),
+        threadgroup=(32 * warps, 1, 1),
+        output_shapes=[(batch, n_heads, splits, head_dim), (batch, n_heads, splits, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    has_sink = sinks is not None
+    (out,) = _kernels()["combine"](
+        inputs=[o_part, ml_part, sinks.astype(mx.float32) if has_sink else _constant((0.0,), mx.float32),
+                _signs(fmt.value, head_dim)],
+        template=[("T", queries.dtype), ("D", head_dim), ("HAS_SINK", has_sink),
+                  ("UNROTATE", fmt.value.kind == AURA)],
+        grid=(head_dim, n_heads, batch),
+        threadgroup=(head_dim, 1, 1),
+        output_shapes=[(batch, n_heads, 1, head_dim)],
+        output_dtypes=[queries.dtype],
+    )
+    return out
+
+
+@functools.cache
+def _dummy(dtype: mx.Dtype, width: int) -> mx.array:
+    return mx.zeros((1, width), dtype)

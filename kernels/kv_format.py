@@ -1,0 +1,273 @@
+"""How one layer stores a token's K and V head vectors: the row format of its page pools.
+
+A layer's KV storage is one or two *pools*, arrays `[rows, width]` whose rows each hold one
+(token, kv head) pair (see `services.engine.cache.layer_pool` for how rows are addressed):
+
+- raw layers: a K pool and a V pool `[rows, head_dim]` in the raw dtype;
+- compressed layers (affine, AURA): one uint32 pool whose row holds both vectors:
+  `[K codes | V codes | K meta, V meta]` — codes as the little-endian bit stream of
+  `mx.quantize` (`head_dim * bits / 32` words each), then float16 meta packed two per word:
+  affine `[scales, biases]` per part (one per group each), AURA one norm-corrected scale per part.
+
+One row per (token, head) means a forward writes each layer with one scatter per pool and a
+fused kernel reads a token's K and V from one place; the byte count is exactly CACHES.md's
+(AURA 4/4 at d=64: 17 words = 68 bytes = 4.25 bits per element).
+
+Source: CACHES.md "Bytes per token", "AURA encode / decode"; MLX `mx.quantize` (affine layout).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+import numpy as np
+
+from kernels.affine import AffineCodes, affine_dequantize, affine_quantize
+from kernels.aura import aura_codebook, aura_encode, unpack_bits
+from kernels.rotation import RandomizedHadamard
+
+META_DTYPE = mx.float16  # affine scales/biases and AURA scales, whatever the model dtype
+RAW, AFFINE, AURA = "raw", "affine", "aura"
+
+
+@dataclass(frozen=True, slots=True)
+class PartFormat:
+    """How one K or V head vector is stored.
+
+    Attributes:
+        kind (str): `raw`, `affine` or `aura`.
+        bits (int): Code width (raw: the dtype's width).
+        group_size (int): Affine elements per scale/bias group along head_dim (0 otherwise).
+        seed (int): AURA rotation seed (part of the stored format; 0 otherwise).
+        dtype (mx.Dtype): Raw storage dtype; for compressed parts, the dtype decoding returns.
+    """
+
+    kind: str
+    bits: int
+    group_size: int = 0
+    seed: int = 0
+    dtype: mx.Dtype = mx.float32
+
+    def code_words(self, head_dim: int) -> int:
+        """uint32 words of codes per vector (compressed parts)."""
+        return head_dim * self.bits // 32
+
+    def meta_halves(self, head_dim: int) -> int:
+        """float16 meta values per vector: affine scales + biases, the AURA scale, none for raw."""
+        return {RAW: 0, AFFINE: 2 * head_dim // max(self.group_size, 1), AURA: 1}[self.kind]
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Stored bits per element, metadata included (CACHES.md "Bytes per token")."""
+        if self.kind == RAW:
+            return 8.0 * self.dtype.size
+        return self.bits + 16 * self.meta_halves(head_dim) / head_dim
+
+    def rotation(self, head_dim: int) -> RandomizedHadamard | None:
+        """The AURA rotation of this part (None for other kinds)."""
+        return _rotation(head_dim, self.seed) if self.kind == AURA else None
+
+    def check(self, head_dim: int) -> None:
+        """Raise ValueError when this part cannot store vectors of `head_dim`."""
+        if self.kind == RAW:
+            return
+        if head_dim * self.bits % 32:
+            raise ValueError(f"{self.kind}{self.bits} needs head_dim * bits to be a multiple of 32, "
+                             f"got head_dim {head_dim}")
+        if self.kind == AFFINE and head_dim % self.group_size:
+            raise ValueError(f"affine group size {self.group_size} does not divide head_dim {head_dim}")
+        if self.kind == AURA and head_dim & (head_dim - 1):
+            raise ValueError(f"AURA needs a power-of-two head_dim (a Hadamard rotation), got {head_dim}")
+
+    def meta(self) -> dict[str, str]:
+        """Everything needed to rebuild this part (stored with persisted caches)."""
+        return {"kind": self.kind, "bits": str(self.bits), "group_size": str(self.group_size),
+                "seed": str(self.seed), "dtype": dtype_name(self.dtype)}
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation(head_dim: int, seed: int) -> RandomizedHadamard:
+    return RandomizedHadamard(head_dim, seed)
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """`mx.float16` -> `"float16"`."""
+    return str(dtype).removeprefix("mlx.core.")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerFormat:
+    """One layer's K and V parts and the row layout they imply.
+
+    Args:
+        key (PartFormat): How keys are stored.
+        value (PartFormat): How values are stored.
+        head_dim (int): D, elements per head vector.
+
+    Raises:
+        ValueError: one part is raw and the other not, or a part cannot store `head_dim`.
+    """
+
+    key: PartFormat
+    value: PartFormat
+    head_dim: int
+
+    def __post_init__(self):
+        if (self.key.kind == RAW) != (self.value.kind == RAW):
+            raise ValueError("keys and values must both be raw or both be compressed")
+        self.key.check(self.head_dim)
+        self.value.check(self.head_dim)
+
+    # -- layout --------------------------------------------------------------------
+
+    @property
+    def is_raw(self) -> bool:
+        return self.key.kind == RAW
+
+    @property
+    def name(self) -> str:
+        """`raw`, `affine8`, `aura4v2`, … (the scheme name of this layer)."""
+        k, v = self.key, self.value
+        if k.kind == AURA:
+            return f"aura{k.bits}v{v.bits}"
+        if k.kind == AFFINE and (k.bits, k.group_size) == (v.bits, v.group_size):
+            return f"affine{k.bits}"
+        return RAW if self.is_raw else f"{k.kind}{k.bits}/{v.kind}{v.bits}"
+
+    @property
+    def key_words(self) -> int:
+        return self.key.code_words(self.head_dim)
+
+    @property
+    def value_words(self) -> int:
+        return self.value.code_words(self.head_dim)
+
+    @property
+    def meta_offset(self) -> int:
+        """Word where the float16 meta starts in a compressed row."""
+        return self.key_words + self.value_words
+
+    @property
+    def key_meta_halves(self) -> int:
+        return self.key.meta_halves(self.head_dim)
+
+    @property
+    def value_meta_halves(self) -> int:
+        return self.value.meta_halves(self.head_dim)
+
+    @property
+    def row_words(self) -> int:
+        """uint32 words per compressed row (meta rounded up to whole words)."""
+        return self.meta_offset + math.ceil((self.key_meta_halves + self.value_meta_halves) / 2)
+
+    def pool_specs(self) -> list[tuple[int, mx.Dtype]]:
+        """(width, dtype) of each pool: `[(D, dtype)] * 2` for raw, `[(row_words, uint32)]` else."""
+        if self.is_raw:
+            return [(self.head_dim, self.key.dtype), (self.head_dim, self.value.dtype)]
+        return [(self.row_words, mx.uint32)]
+
+    @property
+    def bytes_per_row(self) -> int:
+        """Bytes one (token, head) occupies across pools."""
+        return sum(width * dtype.size for width, dtype in self.pool_specs())
+
+    def bits_per_element(self) -> float:
+        """Mean stored bits per K/V element (CACHES.md)."""
+        return 8 * self.bytes_per_row / (2 * self.head_dim)
+
+    # -- encode / decode in MLX ops (the reference path every backend can run) -----
+
+    def encode(self, keys: mx.array, values: mx.array) -> tuple[mx.array, ...]:
+        """Encode K and V `[..., D]` into pool rows `[..., width]`, one array per pool.
+
+        Args:
+            keys (mx.array): `[..., D]` float (RoPE applied).
+            values (mx.array): `[..., D]` float, same shape.
+
+        Returns:
+            tuple[mx.array, ...]: raw: (K, V) in the raw dtype; compressed: (rows uint32,).
+        """
+        if self.is_raw:
+            return _cast(keys, self.key.dtype), _cast(values, self.value.dtype)
+        k_codes, k_meta = _encode_part(self.key, keys)
+        v_codes, v_meta = _encode_part(self.value, values)
+        meta = mx.concatenate([k_meta, v_meta], axis=-1)
+        if meta.shape[-1] % 2:
+            meta = mx.concatenate([meta, mx.zeros((*meta.shape[:-1], 1), META_DTYPE)], axis=-1)
+        return (mx.concatenate([k_codes, v_codes, mx.view(meta, mx.uint32)], axis=-1),)
+
+    def decode(self, pools: tuple[mx.array, ...]) -> tuple[mx.array, mx.array]:
+        """Decode pool rows `[..., width]` into K and V `[..., D]` in the attention domain.
+
+        AURA parts come back rotated (`y = Pi x`; see `rotate_query` / `unrotate_output`),
+        float32; affine parts as `scale * q + bias` in float32; raw parts as stored.
+        """
+        if self.is_raw:
+            return pools[0], pools[1]
+        (rows,) = pools
+        meta = mx.view(mx.contiguous(rows[..., self.meta_offset:]), META_DTYPE)
+        k_meta = meta[..., : self.key_meta_halves]
+        v_meta = meta[..., self.key_meta_halves : self.key_meta_halves + self.value_meta_halves]
+        keys = _decode_part(self.key, rows[..., : self.key_words], k_meta)
+        values = _decode_part(self.value, rows[..., self.key_words : self.meta_offset], v_meta)
+        return keys, values
+
+    def rotate_query(self, queries: mx.array) -> mx.array:
+        """Map queries `[..., D]` into the domain keys are decoded in (AURA: rotate)."""
+        rotation = self.key.rotation(self.head_dim)
+        return queries if rotation is None else rotation.forward(queries)
+
+    def unrotate_output(self, out: mx.array) -> mx.array:
+        """Map attention output `[..., D]` back from the value domain (AURA: un-rotate)."""
+        rotation = self.value.rotation(self.head_dim)
+        return out if rotation is None else rotation.inverse(out)
+
+
+def _cast(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def _encode_part(part: PartFormat, x: mx.array) -> tuple[mx.array, mx.array]:
+    """(codes uint32 [..., words], meta float16 [..., halves]) of one part."""
+    if part.kind == AFFINE:
+        codes = affine_quantize(x.astype(mx.float32), bits=part.bits, group_size=part.group_size)
+        return codes.packed, mx.concatenate([codes.scales, codes.biases], axis=-1).astype(META_DTYPE)
+    codes = aura_encode(x, bits=part.bits, rotation=part.rotation(x.shape[-1]))
+    return codes.packed, codes.scales.astype(META_DTYPE)
+
+
+def _decode_part(part: PartFormat, codes: mx.array, meta: mx.array) -> mx.array:
+    """float32 [..., D] from codes [..., words] and meta [..., halves]."""
+    if part.kind == AFFINE:
+        groups = meta.shape[-1] // 2
+        scales, biases = meta[..., :groups].astype(mx.float32), meta[..., groups:].astype(mx.float32)
+        return affine_dequantize(AffineCodes(mx.contiguous(codes), scales, biases), bits=part.bits,
+                                 group_size=part.group_size, dtype=mx.float32)
+    return aura_lookup(codes, part.bits) * meta.astype(mx.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _u16_table(bits: int) -> mx.array:
+    """Centroids of every uint16 of codes: float32 [65536, 16 / bits] (bits dividing 16)."""
+    per = 16 // bits
+    words = np.arange(1 << 16, dtype=np.int64)[:, None]
+    index = (words >> (bits * np.arange(per))[None, :]) & ((1 << bits) - 1)
+    return mx.array(np.array(aura_codebook(bits))[index].astype(np.float32))
+
+
+def aura_lookup(codes: mx.array, bits: int) -> mx.array:
+    """Unit-scale centroids `c[idx]` float32 `[..., D]` of packed AURA codes `[..., words]`.
+
+    Widths dividing 16 look up a whole uint16 of codes at once (one gather per 16 bits,
+    ~5x faster on the CPU backend than unpacking then gathering each index); others unpack.
+    """
+    if 16 % bits:
+        return mx.take(aura_codebook(bits), unpack_bits(codes, bits))
+    halves = mx.view(mx.contiguous(codes), mx.uint16)
+    out = mx.take(_u16_table(bits), halves, axis=0)
+    return out.reshape(*codes.shape[:-1], -1)
+
+

@@ -1,0 +1,335 @@
+"""Attention that reads a layer's page pools in their stored format: the one place that chooses how.
+
+Every cache of ours (single-sequence `KVCache`, paged `BatchedKVCache`) stores a layer as
+pools of rows (`kernels.kv_format`) addressed through page tables, and calls one of:
+
+- `decode_attention`: one query per row over all of the row's live slots. CUDA: the fused
+  split-K kernels (`kernels.cuda_kv`), no gather, no dequantized copy. Elsewhere (the CPU,
+  and Metal until a Metal twin can be run and tested) the same algorithm in MLX ops over
+  chunks of pages with an online softmax, so temporary memory is O(chunk), not O(context).
+- `prefill_attention`: a chunk of L queries over the history (pages, chunked the same way)
+  plus the chunk's own keys; masks come from token positions, never from a [L, T] array
+  built on the host.
+- `contiguous_attention`: a raw single-sequence cache whose pages are contiguous: plain
+  `mx.fast.scaled_dot_product_attention` over views (bitwise mlx-lm's own path).
+
+Masked slots are never multiplied in: their values are zeroed before `p @ V`, so storage
+outside a row's live slots (padding, another sequence's leftovers, NaN) changes no output.
+
+Source: Milakov & Gimelshein, "Online normalizer calculation for softmax" (arXiv 1805.02867);
+Dao et al., Flash-Decoding (2023); CACHES.md "AURA encode / decode" (rotated domain).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from kernels import cuda_kv
+from kernels.kv_format import AFFINE, LayerFormat
+
+CHUNK_TOKENS = 4096  # history slots decoded at once by the MLX-ops path
+_PACKED_MAX_ROWS = 16  # query rows (G * L) up to which affine chunks use quantized_matmul on the CPU
+_NEG = -1e30  # floor of running maxima (a fully masked chunk must not give exp(-inf + inf))
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRef:
+    """One layer's pools and how their rows are addressed.
+
+    Attributes:
+        fmt (LayerFormat): Row format.
+        pools (tuple[mx.array, ...]): Each `[n_kv_heads * num_pages * page_size, width]`; row
+            `(h * num_pages + page) * page_size + slot` holds kv head h of one token.
+        n_kv_heads (int): H.
+        page_size (int): P, token slots per page.
+        tails (tuple[mx.array, ...] | None): Pools of extra pages (same format) that page ids
+            `>= num_pages` name (decode windows write there), or None.
+    """
+
+    fmt: LayerFormat
+    pools: tuple[mx.array, ...]
+    n_kv_heads: int
+    page_size: int
+    tails: tuple[mx.array, ...] | None = None
+
+    @property
+    def num_pages(self) -> int:
+        return self.pools[0].shape[0] // (self.n_kv_heads * self.page_size)
+
+    def gather(self, pages: mx.array) -> tuple[mx.array, ...]:
+        """Rows of whole pages: int32 `[B, n]` page ids -> per pool `[B, H, n * P, width]`."""
+        heads = mx.arange(self.n_kv_heads, dtype=mx.int32)[None, :, None]
+        out = []
+        for i, pool in enumerate(self.pools):
+            out.append(_gather_blocks(pool, pages, heads, self.num_pages, self.page_size))
+            if self.tails is not None:
+                tail = self.tails[i]
+                tail_pages = tail.shape[0] // (self.n_kv_heads * self.page_size)
+                in_tail = (pages >= self.num_pages)[:, None, :, None]
+                local = mx.clip(pages - self.num_pages, 0, tail_pages - 1)
+                from_tail = _gather_blocks(tail, local, heads, tail_pages, self.page_size)
+                in_tail = mx.repeat(in_tail, self.page_size, axis=2)
+                out[-1] = mx.where(in_tail, from_tail, out[-1])
+        return tuple(out)
+
+
+def _gather_blocks(pool: mx.array, pages: mx.array, heads: mx.array, num_pages: int, page_size: int) -> mx.array:
+    batch, n = pages.shape
+    blocks = heads * num_pages + mx.clip(pages, 0, num_pages - 1)[:, None, :]  # [B, H, n]
+    rows = mx.take(pool.reshape(-1, page_size, pool.shape[-1]), blocks.reshape(-1), axis=0)
+    return rows.reshape(batch, heads.shape[1], n * page_size, pool.shape[-1])
+
+
+# -- decode ------------------------------------------------------------------------------
+
+
+def decode_attention(
+    queries: mx.array, ref: PoolRef, page_table: mx.array, lengths: mx.array, *, scale: float,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Attention of one query per row over every live slot of the row.
+
+    Args:
+        queries (mx.array): [B, n_heads, 1, D], RoPE applied.
+        ref (PoolRef): The layer's pools.
+        page_table (mx.array): int32 [B, NP]: slot t of row b lives in page `page_table[b, t // P]`.
+        lengths (mx.array): int32 [B], live slots per row (all attended).
+        scale (float): Score scale.
+        sinks (mx.array | None): [n_heads] learned attention-sink logits.
+
+    Returns:
+        mx.array: [B, n_heads, 1, D] in the queries' dtype.
+    """
+    if uses_cuda(ref.fmt):
+        return cuda_kv.decode_attention(queries, ref.fmt, ref.pools, ref.tails, page_table, lengths,
+                                        n_kv_heads=ref.n_kv_heads, page_size=ref.page_size, scale=scale, sinks=sinks)
+    return _attend_chunks(queries, ref, History(lengths, page_table), None, None, scale=scale, sinks=sinks)
+
+
+def uses_cuda(fmt: LayerFormat) -> bool:
+    """Whether the fused CUDA kernels serve this format here (power-of-two head_dim 8..256)."""
+    d = fmt.head_dim
+    return cuda_kv.is_available() and 8 <= d <= 256 and d & (d - 1) == 0
+
+
+# -- prefill -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """The stored slots a forward attends: slots `0 .. length-1` of each row.
+
+    Attributes:
+        lengths (mx.array): int32 [B], slots per row.
+        page_table (mx.array | None): int32 [B, NP], pages of the rows (read through `PoolRef`).
+        rows (tuple[mx.array, ...] | None): Or the slots already gathered, per pool
+            [B, H, T, width] (a chunk that wraps a window reads the ring before writing it).
+        positions (mx.array | None): int32 [B, >= T], absolute position held by each slot (a
+            wrapped window ring), or None when slot t holds position t.
+    """
+
+    lengths: mx.array
+    page_table: mx.array | None = None
+    rows: tuple[mx.array, ...] | None = None
+    positions: mx.array | None = None
+
+    def chunks(self, ref: PoolRef):
+        """Yield (first slot, rows per pool [B, H, C, width]) over the history, C <= CHUNK_TOKENS."""
+        if self.rows is not None:
+            total = self.rows[0].shape[2]
+            for first in range(0, total, CHUNK_TOKENS):
+                yield first, tuple(r[:, :, first : first + CHUNK_TOKENS] for r in self.rows)
+            return
+        per_chunk = max(1, CHUNK_TOKENS // ref.page_size)
+        for first in range(0, self.page_table.shape[1], per_chunk):
+            yield first * ref.page_size, ref.gather(self.page_table[:, first : first + per_chunk])
+
+
+@dataclass(frozen=True, slots=True)
+class WindowRule:
+    """Sliding window with sinks: key k is visible to query q iff `k < keep or k > q - ring`."""
+
+    keep: int
+    ring: int
+
+
+def prefill_attention(
+    queries: mx.array,
+    ref: PoolRef,
+    history: History | None,
+    new_keys: mx.array,
+    new_values: mx.array,
+    query_positions: mx.array,
+    *,
+    window: WindowRule | None,
+    scale: float,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Attention of L queries per row over its history slots plus the chunk's own keys.
+
+    Args:
+        queries (mx.array): [B, n_heads, L, D], RoPE applied.
+        ref (PoolRef): The layer's pools (history is read from them, chunk by chunk).
+        history (History | None): What the chunk sees besides itself (None: nothing).
+        new_keys, new_values (mx.array): [B, n_kv_heads, L, D] of the chunk, in the attention
+            domain (`LayerFormat.decode` of their encoding: exactly what is stored).
+        query_positions (mx.array): int32 [B, L], absolute positions of the chunk's tokens.
+        window (WindowRule | None): The layer's window.
+        scale (float): Score scale.
+        sinks (mx.array | None): [n_heads] learned attention-sink logits.
+
+    Returns:
+        mx.array: [B, n_heads, L, D] in the queries' dtype.
+    """
+    qpos = query_positions[:, None, :, None]  # [B, 1, L, 1]
+    new_visible = query_positions[:, None, None, :] <= qpos
+    if window is not None:
+        new_visible &= _in_window(query_positions[:, None, None, :], qpos, window)
+    extra = (new_keys, new_values, new_visible)
+    rule = None if window is None else (qpos, window)
+    return _attend_chunks(queries, ref, history, extra, rule, scale=scale, sinks=sinks)
+
+
+def _in_window(keys: mx.array, queries: mx.array, window: WindowRule) -> mx.array:
+    return (keys < window.keep) | (keys > queries - window.ring)
+
+
+# -- the MLX-ops path ----------------------------------------------------------------------
+
+
+def _attend_chunks(queries, ref, history, extra, rule, *, scale, sinks):
+    """Online softmax over history chunks of pages, then the chunk's own keys (`extra`).
+
+    Queries are grouped per kv head as [B, H, G * L, D] (G query heads per kv head), so every
+    product is a plain batched matmul; scores are float32 [B, H, G * L, C].
+    """
+    fmt = ref.fmt
+    batch, n_heads, length, head_dim = queries.shape
+    heads = ref.n_kv_heads
+    group = n_heads // heads
+    q = (fmt.rotate_query(queries.astype(mx.float32)) * scale).reshape(batch, heads, group * length, head_dim)
+
+    def grouped(mask):  # [B, 1, L, C] -> [B, 1, G * L, C]
+        return mx.broadcast_to(mask[:, :, None], (batch, 1, group, *mask.shape[2:])).reshape(batch, 1, -1, mask.shape[-1])
+
+    chunks = list(history.chunks(ref)) if history is not None else []
+    if len(chunks) <= 1 and not _packed(fmt, group * length):
+        return _single_pass(queries, fmt, history, chunks, extra, rule, scale=scale, sinks=sinks)
+    state = None
+    for first, rows in chunks:
+        valid, visible = _history_masks(history, first, rows[0].shape[2], rule)
+        if visible.shape[2] != 1:
+            visible = grouped(visible)
+        state = _merge(state, _chunk_scores(q, fmt, rows, visible, valid))
+    if extra is not None:
+        keys, values, visible = extra
+        scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)
+        state = _merge(state, _softmax_part(scores, grouped(visible), None, values.astype(mx.float32)))
+    m, l, o = state
+    if sinks is not None:
+        sink = mx.repeat(sinks.astype(mx.float32).reshape(1, heads, group, 1), length, axis=2).reshape(1, heads, -1, 1)
+        top = mx.maximum(m, sink)
+        l, o = l * mx.exp(m - top) + mx.exp(sink - top), o * mx.exp(m - top)
+    out = (o / l).reshape(batch, n_heads, length, head_dim)
+    return fmt.unrotate_output(out).astype(queries.dtype)
+
+
+def _history_masks(history: History, first: int, size: int, rule) -> tuple[mx.array, mx.array]:
+    """(valid [B, 1, 1, C], visible [B, 1, 1 or L, C]) of history slots `first .. first+size-1`."""
+    slots = first + mx.arange(size, dtype=mx.int32)
+    valid = (slots[None, :] < history.lengths[:, None])[:, None, None, :]
+    if rule is None:
+        return valid, valid
+    qpos, window = rule
+    keys = slots[None, :] if history.positions is None else history.positions[:, first : first + size]
+    return valid, valid & _in_window(keys[:, None, None, :], qpos, window)
+
+
+def _single_pass(queries, fmt: LayerFormat, history, chunks, extra, rule, *, scale, sinks):
+    """History that fits one chunk: decode it and run `mx.fast` SDPA once with an explicit mask."""
+    keys, values, masks = [], [], []
+    for first, rows in chunks:
+        valid, visible = _history_masks(history, first, rows[0].shape[2], rule)
+        k, v = fmt.decode(rows)
+        slot_valid = valid.swapaxes(-1, -2)
+        keys.append(mx.where(slot_valid, k, 0))
+        values.append(mx.where(slot_valid, v, 0))
+        masks.append(visible)
+    if extra is not None:
+        keys.append(extra[0]), values.append(extra[1]), masks.append(extra[2])
+    dtype = mx.float32 if any(k.dtype == mx.float32 for k in keys) else keys[0].dtype
+    k, v = (mx.concatenate([x.astype(dtype) for x in parts], axis=2) for parts in (keys, values))
+    length = queries.shape[2]
+    mask = mx.concatenate([mx.broadcast_to(m, (m.shape[0], 1, length, m.shape[-1])) for m in masks], axis=-1)
+    q = fmt.rotate_query(queries.astype(dtype))
+    sinks = None if sinks is None else sinks.astype(dtype)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+    return fmt.unrotate_output(out).astype(queries.dtype)
+
+
+def _packed(fmt: LayerFormat, rows: int) -> bool:
+    """Whether affine chunks run `quantized_matmul` on the codes (CPU, a few query rows)."""
+    return fmt.key.kind == AFFINE and rows <= _PACKED_MAX_ROWS and mx.default_device() == mx.cpu
+
+
+def _chunk_scores(q, fmt: LayerFormat, rows: tuple[mx.array, ...], visible: mx.array, valid: mx.array):
+    """(max, sum-exp, acc) of one history chunk; rows [B, H, C, width] per pool; valid [B, 1, 1, C]."""
+    if _packed(fmt, q.shape[2]):
+        return _affine_chunk(q, fmt, rows[0], visible, valid)
+    keys, values = fmt.decode(rows)
+    scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)
+    return _softmax_part(scores, visible, valid, values.astype(mx.float32))
+
+
+def _softmax_part(scores: mx.array, visible: mx.array, valid: mx.array | None, values: mx.array):
+    """Masked partial softmax; values at slots outside `valid` are zeroed, so NaN there cannot leak."""
+    scores = mx.where(visible, scores, -mx.inf)
+    m = mx.maximum(scores.max(axis=-1, keepdims=True), _NEG)
+    p = mx.exp(scores - m)
+    if valid is not None:
+        values = mx.where(valid.swapaxes(-1, -2), values, 0.0)  # [B, 1, C, 1]
+    return m, p.sum(axis=-1, keepdims=True), p @ values
+
+
+def _affine_chunk(q, fmt: LayerFormat, rows: mx.array, visible: mx.array, valid: mx.array):
+    """Affine chunk on the CPU at decode: `mx.quantized_matmul` on the codes (no dequantized K/V).
+
+    Faster than dequantize + matmul there for a few query rows (`ops/bench_kv.py --mode attention`);
+    slower for prompt chunks, and on CUDA `quantized_matmul` has no kernel for these shapes.
+    """
+    key, value = fmt.key, fmt.value
+    meta = mx.view(mx.contiguous(rows[..., fmt.meta_offset :]), mx.float16).astype(mx.float32)
+    kg, vg = fmt.key_meta_halves // 2, fmt.value_meta_halves // 2
+    k_meta = meta[..., : 2 * kg]
+    v_meta = mx.where(valid.swapaxes(-1, -2), meta[..., 2 * kg : 2 * kg + 2 * vg], 0.0)
+
+    def operand(codes, meta_part, groups):
+        return mx.contiguous(codes), meta_part[..., :groups], meta_part[..., groups:]
+
+    k_codes, v_codes = rows[..., : fmt.key_words], rows[..., fmt.key_words : fmt.meta_offset]
+    scores = mx.quantized_matmul(q, *operand(k_codes, k_meta, kg), transpose=True, group_size=key.group_size,
+                                 bits=key.bits)
+    scores = mx.where(visible, scores, -mx.inf)
+    m = mx.maximum(scores.max(axis=-1, keepdims=True), _NEG)
+    p = mx.exp(scores - m)
+    acc = mx.quantized_matmul(p, *operand(v_codes, v_meta, vg), transpose=False, group_size=value.group_size,
+                              bits=value.bits)
+    return m, p.sum(axis=-1, keepdims=True), acc
+
+
+def _merge(state, part):
+    if state is None:
+        return part
+    (m1, l1, o1), (m2, l2, o2) = state, part
+    m = mx.maximum(m1, m2)
+    a, b = mx.exp(m1 - m), mx.exp(m2 - m)
+    return m, l1 * a + l2 * b, o1 * a + o2 * b
+
+
+# -- contiguous raw ------------------------------------------------------------------------
+
+
+def contiguous_attention(queries, keys, values, *, scale: float, mask, sinks=None) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention` over raw K/V views [B, H, T, D] (mlx-lm's path)."""
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)

@@ -1,0 +1,253 @@
+"""Attention over page pools (kernels.paged_attention) against a float64 NumPy reference.
+
+The reference decodes the stored rows with the independent bit-stream and codebook code of
+`kernels.reference` and computes softmax attention in float64 (GQA by head repetition,
+attention sinks as an extra logit with a zero value). Pools start filled with NaN, so any
+slot outside a row's live ones that were read and multiplied would poison the output.
+
+On a CUDA machine every case runs the fused kernels and the MLX-ops path; elsewhere the MLX-ops
+path (what CI runs). `BM_ATTENTION_FULL=1` widens the matrix (the H200 run uses it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels import cuda_kv
+from kernels import paged_attention as pa
+from kernels import reference as ref
+from kernels.aura import aura_codebook
+from kernels.kv_format import AFFINE, AURA, RAW, LayerFormat, PartFormat
+from kernels.rotation import hadamard_signs
+
+FULL = os.environ.get("BM_ATTENTION_FULL") == "1"
+ON_CUDA = cuda_kv.is_available()
+PAGE = 16
+SCHEMES = {
+    "raw": lambda dt: (PartFormat(RAW, 8 * dt.size, dtype=dt),) * 2,
+    "affine8": lambda dt: (PartFormat(AFFINE, 8, 64, dtype=dt),) * 2,
+    "affine4": lambda dt: (PartFormat(AFFINE, 4, 32, dtype=dt),) * 2,
+    "affine6": lambda dt: (PartFormat(AFFINE, 6, 64, dtype=dt),) * 2,
+    "aura8v4": lambda dt: (PartFormat(AURA, 8, seed=11, dtype=dt), PartFormat(AURA, 4, seed=12, dtype=dt)),
+    "aura4v4": lambda dt: (PartFormat(AURA, 4, seed=21, dtype=dt), PartFormat(AURA, 4, seed=22, dtype=dt)),
+    "aura4v2": lambda dt: (PartFormat(AURA, 4, seed=31, dtype=dt), PartFormat(AURA, 2, seed=32, dtype=dt)),
+    "aura3v5": lambda dt: (PartFormat(AURA, 3, seed=41, dtype=dt), PartFormat(AURA, 5, seed=42, dtype=dt)),
+}
+DTYPE = mx.bfloat16 if ON_CUDA else mx.float32
+
+
+def decode_part_ref(part: PartFormat, codes: np.ndarray, meta: np.ndarray, head_dim: int) -> np.ndarray:
+    """float64 vectors [..., D] of one part, from its codes [..., words] and float16 meta [..., m]."""
+    if part.kind == AFFINE:
+        groups = head_dim // part.group_size
+        return ref.affine_dequantize_ref(codes, meta[..., :groups], meta[..., groups:], part.bits, part.group_size)
+    index = ref.unpack_bits_ref(codes, part.bits)
+    codebook = np.array(aura_codebook(part.bits), np.float64)
+    return ref.aura_decode_ref(index, meta[..., :1].astype(np.float64), hadamard_signs(head_dim, part.seed), codebook)
+
+
+def decode_rows_ref(fmt: LayerFormat, pools: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """K, V float64 [..., D] (model domain) of rows [..., width], independently of kv_format."""
+    if fmt.is_raw:
+        return pools[0].astype(np.float64), pools[1].astype(np.float64)
+    rows = pools[0]
+    meta = rows[..., fmt.meta_offset :].copy().view(np.float16).astype(np.float64)
+    keys = decode_part_ref(fmt.key, rows[..., : fmt.key_words], meta[..., : fmt.key_meta_halves], fmt.head_dim)
+    values = decode_part_ref(fmt.value, rows[..., fmt.key_words : fmt.meta_offset],
+                             meta[..., fmt.key_meta_halves : fmt.key_meta_halves + fmt.value_meta_halves],
+                             fmt.head_dim)
+    return keys, values
+
+
+def attention_ref(q, keys, values, scale, visible, sinks=None):
+    """float64 softmax attention of q [Hq, L, D] over keys/values [H, T, D]; visible [L, T]."""
+    reps = q.shape[0] // keys.shape[0]
+    k, v = np.repeat(keys, reps, axis=0), np.repeat(values, reps, axis=0)
+    scores = np.where(visible[None], scale * q @ k.swapaxes(-1, -2), -np.inf)
+    top = scores.max(-1, keepdims=True)
+    if sinks is not None:
+        top = np.maximum(top, sinks[:, None, None])
+    weights = np.exp(scores - top)
+    total = weights.sum(-1, keepdims=True) + (0 if sinks is None else np.exp(sinks[:, None, None] - top))
+    return (weights / total) @ v
+
+
+def as_np(a: mx.array) -> np.ndarray:
+    if a.dtype in (mx.float16, mx.bfloat16, mx.float32):
+        return np.array(a.astype(mx.float32))
+    return np.array(a)
+
+
+class Store:
+    """A NaN-filled pool with random pages given to B rows of ragged lengths."""
+
+    def __init__(self, fmt: LayerFormat, lengths, n_kv_heads: int, seed: int):
+        self.fmt, self.lengths, self.heads = fmt, list(lengths), n_kv_heads
+        rng = np.random.default_rng(seed)
+        pages_per_row = [max(1, -(-n // PAGE)) for n in lengths]
+        self.num_pages = sum(pages_per_row) + 3
+        order = rng.permutation(self.num_pages)
+        self.tables, used = [], 0
+        for n in pages_per_row:
+            self.tables.append(order[used : used + n])
+            used += n
+        rows = n_kv_heads * self.num_pages * PAGE
+        self.pools = [_nan_pool(rows, width, dtype) for width, dtype in fmt.pool_specs()]
+        self.stored = []  # per row, the pool rows [H, T, width] as numpy
+        for b, n in enumerate(lengths):
+            shape = (1, n_kv_heads, n, fmt.head_dim)
+            k = mx.array(rng.standard_normal(shape).astype(np.float32) * 2).astype(DTYPE)
+            v = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(DTYPE)
+            new = fmt.encode(k, v)
+            slots = np.arange(n)
+            flat = (np.arange(n_kv_heads)[:, None] * self.num_pages + self.tables[b][slots // PAGE][None]) * PAGE
+            flat = mx.array((flat + slots % PAGE).reshape(-1).astype(np.int32))
+            for i, x in enumerate(new):
+                self.pools[i][flat] = x.reshape(-1, x.shape[-1])
+            self.stored.append(tuple(as_np(x[0]) for x in new))
+        width = max(map(len, self.tables))
+        self.page_table = np.stack([np.pad(t, (0, width - len(t)), constant_values=t[0]) for t in self.tables])
+
+    def ref(self) -> pa.PoolRef:
+        return pa.PoolRef(self.fmt, tuple(self.pools), self.heads, PAGE)
+
+
+def _nan_pool(rows: int, width: int, dtype: mx.Dtype) -> mx.array:
+    if dtype == mx.uint32:  # NaN float16 meta in every half, garbage codes
+        return mx.full((rows, width), 0x7E007E00, dtype=mx.uint32)
+    return mx.full((rows, width), float("nan"), dtype=dtype)
+
+
+IMPLEMENTATIONS = ("mlx-ops", "cuda") if ON_CUDA else ("mlx-ops",)
+
+
+def run_decode(store: Store, q: mx.array, scale: float, sinks, impl: str):
+    table, lengths = mx.array(store.page_table.astype(np.int32)), mx.array(np.array(store.lengths, np.int32))
+    if impl == "cuda":
+        return cuda_kv.decode_attention(q, store.fmt, tuple(store.pools), None, table, lengths,
+                                        n_kv_heads=store.heads, page_size=PAGE, scale=scale, sinks=sinks)
+    return pa._attend_chunks(q, store.ref(), pa.History(lengths, table), None, None, scale=scale, sinks=sinks)
+
+
+def tolerance() -> float:
+    return 2e-2 if DTYPE == mx.bfloat16 else 2e-4
+
+
+DECODE_CASES = [
+    # scheme, head_dim, group (query heads per kv head), lengths, sinks
+    ("raw", 64, 4, (1, 15, 16, 17, 33), False),
+    ("affine8", 64, 1, (31, 32, 100), True),
+    ("affine4", 128, 4, (1, 47, 300), False),
+    ("affine6", 64, 8, (5, 64, 65), False),
+    ("aura8v4", 64, 4, (16, 17), False),
+    ("aura4v4", 128, 8, (1, 2, 700), True),
+    ("aura4v2", 64, 1, (3, 33, 129), False),
+    ("aura3v5", 256, 4, (1, 200), False),
+]
+if FULL:
+    DECODE_CASES = [
+        (s, d, g, lengths, sinks)
+        for s, d, g in itertools.product(SCHEMES, (64, 128, 256), (1, 4, 8))
+        for lengths, sinks in (((1, 15, 16, 17), False), ((31, 33, 1000), True),
+                               tuple([[(1 + 37 * i) % 300 + 1 for i in range(17)], False]), ((33000,), False))
+    ]
+
+
+@pytest.mark.parametrize("scheme, head_dim, group, lengths, with_sinks", DECODE_CASES)
+def test_decode_matches_float64_reference(scheme, head_dim, group, lengths, with_sinks):
+    fmt = LayerFormat(*SCHEMES[scheme](DTYPE), head_dim)
+    heads = 2
+    store = Store(fmt, lengths, heads, seed=head_dim + group + len(lengths))
+    rng = np.random.default_rng(7)
+    q = mx.array(rng.standard_normal((len(lengths), heads * group, 1, head_dim)).astype(np.float32)).astype(DTYPE)
+    sinks = mx.array(rng.standard_normal(heads * group).astype(np.float32)) if with_sinks else None
+    scale = 1 / math.sqrt(head_dim)
+    for impl in IMPLEMENTATIONS:
+        got = as_np(run_decode(store, q, scale, sinks, impl))
+        assert np.isfinite(got).all(), impl
+        for b, n in enumerate(lengths):
+            keys, values = decode_rows_ref(fmt, store.stored[b])
+            want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, scale,
+                                 np.ones((1, n), bool), None if sinks is None else as_np(sinks).astype(np.float64))
+            np.testing.assert_allclose(got[b], want, atol=tolerance(), err_msg=f"{impl} row {b}")
+
+
+@pytest.mark.parametrize("scheme", ["raw", "affine4", "aura4v2"])
+@pytest.mark.parametrize("window", [None, (24, 3)])
+@pytest.mark.parametrize("history", [0, 15, 40])
+def test_prefill_matches_float64_reference(scheme, window, history):
+    """A chunk of 9 queries over `history` stored slots (a wrapped ring when windowed) plus itself."""
+    head_dim, heads, group, length = 64, 2, 3, 9
+    fmt = LayerFormat(*SCHEMES[scheme](DTYPE), head_dim)
+    rule = None if window is None else pa.WindowRule(window[1], window[0] - window[1])
+    live = history if window is None else min(history, window[0])
+    store = Store(fmt, (max(live, 1),), heads, seed=history)
+    start = history
+    rng = np.random.default_rng(3)
+    positions = np.arange(live)
+    if window is not None and history > window[0]:  # a wrapped ring: slot s holds a later position
+        positions = np.concatenate([np.arange(rule.keep), history - 1 - np.arange(live - rule.keep)[::-1]])
+        positions = np.concatenate([positions[: rule.keep], rng.permutation(positions[rule.keep :])])
+    new_k = mx.array(rng.standard_normal((1, heads, length, head_dim)).astype(np.float32)).astype(DTYPE)
+    new_v = mx.array(rng.standard_normal((1, heads, length, head_dim)).astype(np.float32)).astype(DTYPE)
+    new_rows = fmt.encode(new_k, new_v)
+    dk, dv = fmt.decode(new_rows)
+    q = mx.array(rng.standard_normal((1, heads * group, length, head_dim)).astype(np.float32)).astype(DTYPE)
+    qpos = mx.array(np.arange(start, start + length, dtype=np.int32)[None])
+    hist = pa.History(mx.array(np.array([live], np.int32)), mx.array(store.page_table.astype(np.int32)),
+                      positions=mx.array(np.pad(positions, (0, PAGE * store.page_table.shape[1] - live))[None]
+                                         .astype(np.int32)))
+    got = as_np(pa.prefill_attention(q, store.ref(), hist, dk, dv, qpos, window=rule, scale=0.125))
+    keys, values = decode_rows_ref(fmt, store.stored[0])
+    new_keys, new_values = decode_rows_ref(fmt, tuple(as_np(x[0]) for x in new_rows))
+    all_k = np.concatenate([keys[:, :live], new_keys], axis=1)
+    all_v = np.concatenate([values[:, :live], new_values], axis=1)
+    key_pos = np.concatenate([positions, np.arange(start, start + length)])
+    qp = np.arange(start, start + length)[:, None]
+    visible = key_pos[None] <= qp
+    if rule is not None:
+        visible &= (key_pos[None] < rule.keep) | (key_pos[None] > qp - rule.ring)
+    want = attention_ref(as_np(q[0]).astype(np.float64), all_k, all_v, 0.125, visible)
+    np.testing.assert_allclose(got[0], want, atol=tolerance())
+
+
+def test_chunked_history_equals_one_chunk(monkeypatch):
+    """The online softmax over many chunks equals one pass (temporary memory O(chunk))."""
+    fmt = LayerFormat(*SCHEMES["aura4v4"](DTYPE), 64)
+    store = Store(fmt, (70, 3, 129), 2, seed=5)
+    q = mx.array(np.random.default_rng(1).standard_normal((3, 4, 1, 64)).astype(np.float32)).astype(DTYPE)
+    one = as_np(run_decode(store, q, 0.125, None, "mlx-ops"))
+    monkeypatch.setattr(pa, "CHUNK_TOKENS", PAGE)
+    many = as_np(run_decode(store, q, 0.125, None, "mlx-ops"))
+    np.testing.assert_allclose(many, one, atol=1e-5)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the CUDA encoder needs MLX's CUDA backend (the H200 run covers it)")
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if s != "raw"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_encoder_matches_mlx_ops_encoder(scheme, head_dim):
+    """Affine rows are bit-identical to `mx.quantize`'s (CPU rule); AURA codes agree except at
+    thresholds (the rotation sums in another order), and decode to the same vectors closely."""
+    fmt = LayerFormat(*SCHEMES[scheme](mx.float32), head_dim)
+    # strided inputs, as the model hands them over: [B, L, H, D] transposed to [B, H, L, D]
+    x = mx.array(np.random.default_rng(head_dim).standard_normal((2, 40, 3, head_dim)).astype(np.float32) * 3)
+    y = mx.array(np.random.default_rng(1).standard_normal((2, 40, 3, head_dim)).astype(np.float32))
+    x, y = x.transpose(0, 2, 1, 3), y.transpose(0, 2, 1, 3)
+    got = np.array(cuda_kv.encode_rows(fmt, x, y))
+    with mx.stream(mx.cpu):
+        (want,) = fmt.encode(x, y)
+    want = np.array(want)
+    if fmt.key.kind == AFFINE:
+        np.testing.assert_array_equal(got, want)
+        return
+    got_k, got_v = decode_rows_ref(fmt, (got,))
+    want_k, want_v = decode_rows_ref(fmt, (want,))
+    assert np.mean(got[..., : fmt.meta_offset] == want[..., : fmt.meta_offset]) > 0.99
+    np.testing.assert_allclose(got_k, want_k, atol=0.05 * np.abs(want_k).max())
+    np.testing.assert_allclose(got_v, want_v, atol=0.05 * np.abs(want_v).max())
