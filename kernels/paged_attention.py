@@ -258,7 +258,7 @@ def _single_pass(queries, fmt: LayerFormat, history, chunks, extra, rule, *, sca
         masks.append(visible)
     if extra is not None:
         keys.append(extra[0]), values.append(extra[1]), masks.append(extra[2])
-    dtype = mx.float32 if any(k.dtype == mx.float32 for k in keys) else keys[0].dtype
+    dtype = mx.float32  # as the chunked path: scores and sums in float32 whatever the storage
     k, v = (mx.concatenate([x.astype(dtype) for x in parts], axis=2) for parts in (keys, values))
     length = queries.shape[2]
     mask = mx.concatenate([mx.broadcast_to(m, (m.shape[0], 1, length, m.shape[-1])) for m in masks], axis=-1)

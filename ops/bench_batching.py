@@ -9,7 +9,8 @@ traces are then warm); each side gets one warm-up run. The ratio compares median
 
 Per batch size it also reports `profile` (one decode step over rows of
 `--profile-context` tokens: graph building and the whole step)
-and `breakdown` (where the engine's pipelined decode step goes, ms per step).
+and `breakdown` (where the engine's time goes, ms per decode step: a window of steps is one
+engine step, so each figure is divided by the decode steps it covered).
 
     python -m ops.bench_batching                          # CPU, the default model
     python -m ops.bench_batching --random-model llama-1b  # GPU, a Llama-3.2-1B-shaped model, bf16
@@ -142,15 +143,16 @@ def profile_decode(loaded: LoadedModel, batch: int, context: int, page_size: int
     return {"context": context, "build_ms": round(build_ms, 3), "step_ms": round(step_ms, 3)}
 
 
-def step_breakdown(loaded: LoadedModel, batch: int, page_size: int, steps: int = 40) -> dict:
+def step_breakdown(loaded: LoadedModel, batch: int, page_size: int, steps: int = 12) -> dict:
     """Where the engine's decode step goes (ms per step): each phase timed by wrapping the engine's own calls."""
     from services.engine import runner as runner_module
 
-    core = EngineCore(loaded, CacheOptions(max_context=4096), capacity_tokens=batch * (64 + steps + 2 * page_size),
+    max_tokens = page_size * (steps + 6)
+    core = EngineCore(loaded, CacheOptions(max_context=4096), capacity_tokens=batch * (64 + max_tokens + 2 * page_size),
                       max_slots=batch, step_token_budget=max(512, batch), page_size=page_size)
     for i, prompt in enumerate(prompts_for(batch, loaded.config.get("vocab_size", 32000), seed=1)):
-        core.add_request(Request(str(i), prompt, SamplingParams(max_tokens=steps + 8)))
-    for _ in range(4):  # past the prefills: every step is one decode forward
+        core.add_request(Request(str(i), prompt, SamplingParams(max_tokens=max_tokens)))
+    for _ in range(4):  # past the prefills: every step is a decode window
         core.step()
     spent: dict[str, float] = {}
 
@@ -164,22 +166,24 @@ def step_breakdown(loaded: LoadedModel, batch: int, page_size: int, steps: int =
         return wrapper
 
     core.scheduler.schedule = timed("schedule", core.scheduler.schedule)
-    core.runner._decode = timed("build_decode_graph", core.runner._decode)
+    core.runner._step = timed("trace_call", core.runner._step)
     core.runner.collect = timed("collect", core.runner.collect)
     core.scheduler.update = timed("update", core.scheduler.update)
+    core.cache.plan_window = timed("plan_window", core.cache.plan_window)
     proxy = SimpleNamespace(**{k: getattr(mx, k) for k in dir(mx) if not k.startswith("__")})
     proxy.synchronize, proxy.async_eval = timed("wait", mx.synchronize), timed("launch", mx.async_eval)
     runner_module.mx = proxy
+    tokens = 0
     try:
         t0 = time.perf_counter()
         for _ in range(steps):
-            core.step()
+            tokens += sum(len(out.new_token_ids) for out in core.step())
         total = time.perf_counter() - t0
     finally:
         runner_module.mx = mx
-    result = {name: round(t / steps * 1e3, 3) for name, t in spent.items()}
-    result["other"] = round((total - sum(spent.values())) / steps * 1e3, 3)
-    return {"step_ms": round(total / steps * 1e3, 3)} | result
+    per_token = {name: round(t / tokens * 1e3 * batch, 4) for name, t in spent.items()}
+    per_token["other"] = round((total - sum(spent.values())) / tokens * 1e3 * batch, 4)
+    return {"ms_per_decode_step": round(total / tokens * batch * 1e3, 3), "tokens": tokens} | per_token
 
 
 def compare(loaded: LoadedModel, batch: int, args: argparse.Namespace) -> dict:

@@ -1,12 +1,11 @@
 """Benchmark KV-cache schemes: decode tokens/s and peak memory per context, attention paths, prefill memory.
 
 Modes (`--mode`):
-- `decode` (default): per scheme and context T, build the caches and fill them with T tokens
-  of random K/V of the model's shape (N(0, 1) in the model dtype, written through each
-  cache's own codec, `--fill-chunk` tokens at a time; a real 8192-token prefill takes minutes
-  on CPU, and a decode step's cost depends on T and the storage, not on the values), then
-  time `--steps` greedy decode steps of the real model after `--warmup` steps, pipelined as
-  `services.engine.generate` does. Peak memory runs from before the fill to the last step.
+- `decode` (default): per scheme and context T, an engine (`EngineCore`, the serving path:
+  decode windows, traced step) whose `--streams` slots hold T tokens of random K/V of the
+  model's shape (`ops.engine_fill`: a real 32K prefill takes long, and a decode step's cost
+  depends on T and the storage, not on the values); times `--steps` greedy tokens per stream
+  after `--warmup`, best of `--repeats`. Peak memory runs from before the fill to the end.
 - `attention`: one attention layer per scheme, decode (1 query) and prefill
   (`--prefill-queries` queries) at each T: in place (what the caches run) against
   dequantize + `mx.fast` SDPA, time and peak temporary memory.
@@ -19,6 +18,7 @@ whatever `mx.default_device()` is.
 
     python -m ops.bench_kv                                                  # CPU, default model, T = 512, 2048, 8192
     python -m ops.bench_kv --random-model llama-1b --contexts 512,8192,32768   # GPU (also qwen3-1.7b)
+    python -m ops.bench_kv --random-model llama-1b --contexts 8192 --streams 32 --schemes raw,affine4,aura4v4
     python -m ops.bench_kv --mode attention
     python -m ops.bench_kv --mode prefill-memory --schemes raw,affine4,aura4v4
 """
@@ -26,6 +26,8 @@ whatever `mx.default_device()` is.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import statistics
 import time
@@ -79,14 +81,18 @@ def random_llama_1b(dtype: mx.Dtype = mx.bfloat16):
     return random_model("llama-1b", dtype)
 
 
-def load(args) -> tuple[object, str]:
-    """The model to run and its name."""
-    if args.random_model:
-        return random_model(args.random_model), RANDOM_MODELS[args.random_model][2]
-    from services.engine.model.loader import load_model
+def load(args):
+    """The model to run (a `LoadedModel`; random models have no tokenizer: no EOS) and its name."""
+    from types import SimpleNamespace
 
+    from services.engine.model.loader import LoadedModel, load_model
+
+    if args.random_model:
+        family, config, name = RANDOM_MODELS[args.random_model]
+        return LoadedModel(model=random_model(args.random_model), tokenizer=SimpleNamespace(eos_token_ids=set()),
+                           path=Path(name), config=config), name
     loaded = load_model(args.model)
-    return loaded.model, loaded.path.name
+    return dataclasses.replace(loaded, tokenizer=SimpleNamespace(eos_token_ids=set())), loaded.path.name
 
 
 def geometry(model) -> tuple[int, int, int]:
@@ -108,47 +114,47 @@ def fill_random(caches: list, model, num_tokens: int, chunk: int) -> None:
             mx.eval(cache.state)
 
 
-def time_decode(model, caches: list, *, steps: int, warmup: int) -> float:
-    """Seconds per decode step, pipelined (step n+1 is queued before token n is read)."""
-
-    def advance(token: mx.array) -> mx.array:
-        next_token = mx.argmax(model(token.reshape(1, 1), cache=caches)[0, -1])
-        mx.async_eval(next_token)
-        token.item()
-        return next_token
-
-    y = mx.array(1)
-    for _ in range(warmup):
-        y = advance(y)
-    start = time.perf_counter()
-    for _ in range(steps):
-        y = advance(y)
-    return (time.perf_counter() - start) / steps
+def decode_rate(core, requests, warmup: int) -> float:
+    """Aggregate decode tokens/s after every stream has `warmup` tokens (prefill and warm-up excluded)."""
+    for request in requests:
+        core.add_request(request)
+    counts, start, tokens = {r.request_id: 0 for r in requests}, None, 0
+    while core.has_unfinished():
+        for out in core.step():
+            counts[out.request_id] += len(out.new_token_ids)
+            if start is not None:
+                tokens += len(out.new_token_ids)
+        if start is None and min(counts.values()) >= warmup:
+            start = time.perf_counter()
+    return tokens / (time.perf_counter() - start)
 
 
-def decode_row(model, scheme: str, context: int, args) -> dict:
-    """Fill, time and measure one (scheme, context) pair."""
-    from services.engine.cache import CacheOptions, make_layer_caches
+def decode_row(loaded, scheme: str, context: int, args) -> dict:
+    """Fill `--streams` slots with `context` tokens each, then time the engine's decode."""
+    from ops.engine_fill import filled_engine
 
+    gc.collect()
     mx.clear_cache()
-    weights = mx.get_active_memory()
+    weights = args.weights_bytes  # active memory right after loading: leftovers of earlier rows count against this row
     mx.reset_peak_memory()
-    options = CacheOptions(scheme=scheme, max_context=context + args.repeats * (args.warmup + args.steps) + 2)
-    caches = make_layer_caches(model, options)
-    fill_random(caches, model, context, args.fill_chunk)
-    kv_bytes = sum(c.nbytes for c in caches)
-    seconds = min(time_decode(model, caches, steps=args.steps, warmup=args.warmup) for _ in range(args.repeats))
+    best = 0.0
+    for _ in range(args.repeats):  # a fresh engine per run: its sessions are consumed
+        core, requests = filled_engine(loaded, scheme, [context] * args.streams, max_tokens=args.warmup + args.steps,
+                                       decode_window=args.decode_window)
+        kv_bytes = sum(core.cache.slots.nbytes(r_slot) for r_slot in (s.slot for s in core.scheduler.sessions.values()))
+        best = max(best, decode_rate(core, requests, args.warmup))
+        del core, requests
     peak = mx.get_peak_memory()
-    return {"scheme": scheme, "context_tokens": context, "decode_tokens_per_s": 1.0 / seconds,
-            "kv_nbytes_after_fill": kv_bytes, "kv_bytes_per_token": kv_bytes / context,
+    return {"scheme": scheme, "context_tokens": context, "streams": args.streams, "decode_tokens_per_s": best,
+            "kv_nbytes_after_fill": kv_bytes, "kv_bytes_per_token": kv_bytes / (context * args.streams),
             "peak_memory_bytes": peak, "peak_over_weights_bytes": peak - weights}
 
 
-def run_decode(model, args) -> list[dict]:
+def run_decode(loaded, args) -> list[dict]:
     rows = []
     for context in args.contexts:
         for scheme in args.schemes:
-            rows.append(decode_row(model, scheme, context, args))
+            rows.append(decode_row(loaded, scheme, context, args))
             print(json.dumps(rows[-1]), flush=True)
     raw = {r["context_tokens"]: r["decode_tokens_per_s"] for r in rows if r["scheme"] == "raw"}
     for r in rows:
@@ -168,7 +174,7 @@ def median_ms(fn, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def attention_row(model, scheme: str, context: int, num_queries: int, repeats: int) -> dict:
+def attention_row(loaded, scheme: str, context: int, num_queries: int, repeats: int) -> dict:
     """Time one layer's attention over `context` random tokens: in place vs dequantize + SDPA.
 
     "in place" is what the caches run (`kernels.paged_attention`: fused CUDA kernels, or MLX ops
@@ -177,6 +183,7 @@ def attention_row(model, scheme: str, context: int, num_queries: int, repeats: i
     """
     from services.engine.cache import CacheOptions, make_layer_caches, model_dtype
 
+    model = loaded.model
     cache = make_layer_caches(model, CacheOptions(scheme=scheme, max_context=context + num_queries))[0]
     fill_random([cache], model, context, 4096)
     n_heads = model.layers[0].self_attn.n_heads
@@ -207,23 +214,23 @@ def attention_row(model, scheme: str, context: int, num_queries: int, repeats: i
     return row
 
 
-def run_attention(model, args) -> list[dict]:
+def run_attention(loaded, args) -> list[dict]:
     rows = []
     for context in args.contexts:
         for num_queries in (1, args.prefill_queries):
             for scheme in args.schemes:
-                rows.append(attention_row(model, scheme, context, num_queries, 20 if num_queries == 1 else 5))
+                rows.append(attention_row(loaded, scheme, context, num_queries, 20 if num_queries == 1 else 5))
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def run_prefill_memory(model, args) -> list[dict]:
+def run_prefill_memory(loaded, args) -> list[dict]:
     """Peak memory of a real chunked prefill (random token ids) per scheme."""
     from services.engine.cache import CacheOptions, make_layer_caches
     from services.engine.generate import prefill
 
     ids = np.random.default_rng(0).integers(100, 20000, args.prefill_tokens).tolist()
-    rows = []
+    model, rows = loaded.model, []
     for scheme in args.schemes:
         mx.clear_cache()
         weights = mx.get_active_memory()
@@ -247,9 +254,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--random-model", choices=sorted(RANDOM_MODELS), help="random-initialized model of a known shape")
     parser.add_argument("--schemes", default=DEFAULT_SCHEMES, type=lambda s: [x for x in s.split(",") if x])
     parser.add_argument("--contexts", default="512,2048,8192", type=lambda s: [int(x) for x in s.split(",") if x])
-    parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    parser.add_argument("--steps", type=int, default=64, help="timed decode tokens per stream")
+    parser.add_argument("--warmup", type=int, default=9, help="untimed tokens per stream first (traces, allocator)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row; the fastest counts (as the anchor)")
+    parser.add_argument("--streams", type=int, default=1, help="concurrent streams, each at the context (decode mode)")
+    parser.add_argument("--decode-window", type=int, default=8, help="decode steps per host sync (decode mode)")
     parser.add_argument("--fill-chunk", type=int, default=1024, help="tokens of random K/V written per call")
     parser.add_argument("--prefill-queries", type=int, default=512, help="prefill-phase queries (attention mode)")
     parser.add_argument("--prefill-tokens", type=int, default=4096)
@@ -260,17 +269,21 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    model, name = load(args)
+    loaded, name = load(args)
+    model = loaded.model
+    mx.eval(model.parameters())
+    args.weights_bytes = mx.get_active_memory()
     from services.engine.cache import model_dtype
 
     run = {"decode": run_decode, "attention": run_attention, "prefill-memory": run_prefill_memory}[args.mode]
-    rows = run(model, args)
+    rows = run(loaded, args)
     device = mx.default_device()
     result = {
         "benchmark": f"kv_{args.mode}", "device": str(device), "device_info": _jsonable(mx.device_info()),
         "blas": active_blas(), "model": name, "dtype": str(model_dtype(model)).removeprefix("mlx.core."),
-        "fill": "random N(0,1) K/V through each codec" if args.mode == "decode" else None,
-        "steps": args.steps, "warmup": args.warmup, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": rows,
+        "fill": "random N(0,1) K/V through each layer's encoder" if args.mode == "decode" else None,
+        "path": "EngineCore (decode windows, compiled step)" if args.mode == "decode" else "one layer's cache",
+        "steps": args.steps, "warmup": args.warmup, "streams": args.streams, "decode_window": args.decode_window, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": rows,
     }
     suffix = "" if args.mode == "decode" else f"_{args.mode.replace('-', '_')}"
     model_tag = f"_{args.random_model}" if args.random_model else ""

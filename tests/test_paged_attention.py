@@ -225,7 +225,7 @@ def test_chunked_history_equals_one_chunk(monkeypatch):
     one = as_np(run_decode(store, q, 0.125, None, "mlx-ops"))
     monkeypatch.setattr(pa, "CHUNK_TOKENS", PAGE)
     many = as_np(run_decode(store, q, 0.125, None, "mlx-ops"))
-    np.testing.assert_allclose(many, one, atol=1e-5)
+    np.testing.assert_allclose(many, one, atol=1e-5 if DTYPE == mx.float32 else 8e-3)  # bf16 output: 2 ulp
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the CUDA encoder needs MLX's CUDA backend (the H200 run covers it)")

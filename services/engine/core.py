@@ -1,9 +1,11 @@
 """`EngineCore`: continuous batching over a `BatchedKVCache`, with no sockets (vLLM V1's inner loop).
 
-`step()` = schedule → run → update: the scheduler decides (pure), the runner builds and
-launches the step's forwards, then the previous step's tokens are read back, aborts are
-applied, and the scheduler records them. Steps are pipelined one deep, so a step's tokens
-come out of the following `step()` call; `has_unfinished()` stays true until they have.
+`step()` = collect → update → schedule → run: the previous step's tokens are read back
+(the runner waits for it), aborts are applied, the scheduler records the tokens and decides
+(pure), and the runner builds and launches the step's forwards — a decode window of several
+steps when no prompt waits — without waiting. So a step's tokens come out of the following
+`step()` call, and the GPU computes while the caller handles what `step()` returned;
+`has_unfinished()` stays true until they have come out.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class RequestOutput:
     """
 
     request_id: str
-    new_token_ids: list[int]  # tokens read back this step (the EOS token included when it ended the request)
+    new_token_ids: list[int]  # tokens read back this step, in order (the EOS token included when it ended the request)
     finish_reason: str | None  # "stop", "length", "cancelled", "error", or None while running
     num_prompt_tokens: int  # tokens
     num_cached_tokens: int  # tokens
@@ -64,6 +66,7 @@ class EngineCore:
         max_slots (int): Sequences held at once, kept sessions included. Default: 64.
         step_token_budget (int): Tokens per step, decode rows and prompt chunks together. Default: 512.
         page_size (int): Token slots per page. Default: 16.
+        decode_window (int): Most decode steps per host sync while no prompt waits. Default: 8.
 
     Raises:
         ValueError: a budget below `max_slots` (a prompt could starve), an unsupported layer
@@ -79,6 +82,7 @@ class EngineCore:
         max_slots: int = 64,
         step_token_budget: int = 512,
         page_size: int = 16,
+        decode_window: int = 8,
     ):
         if step_token_budget < max_slots:
             raise ValueError(f"step_token_budget {step_token_budget} must be >= max_slots {max_slots}")
@@ -92,6 +96,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.cache.slots, step_token_budget=step_token_budget, max_context=options.max_context,
             eos_token_ids=loaded.tokenizer.eos_token_ids,
+            decode_window=min([decode_window, *(w.ring for w in self.cache.windows if w is not None)]),
         )
         self.runner = ModelRunner(loaded.model, self.cache)
         self._in_flight: tuple[StepPlan, Launch] | None = None
@@ -137,16 +142,17 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._aborts)
 
     def step(self) -> list[RequestOutput]:
-        """Launch one step and return what the previous one produced (plus aborts and failures)."""
-        plan = self.scheduler.schedule()
-        launch = self.runner.run(plan) if plan.has_work else None
-        previous, self._in_flight = self._in_flight, (plan, launch) if launch else None
+        """Read back the previous step, launch the next; return what the previous produced (plus aborts, failures)."""
+        previous, self._in_flight = self._in_flight, None
         sampled = self.runner.collect(previous[1]) if previous else {}
-        outputs = [self._output(r, []) for r in plan.failed]
-        outputs += self._apply_aborts()
+        outputs = self._apply_aborts()
         if previous:
-            outputs += [self._output(r, [sampled[r.request_id]]) for r in self.scheduler.update(previous[0], sampled)]
-        if self._in_flight is None:
+            outputs += [self._output(r, tokens) for r, tokens in self.scheduler.update(previous[0], sampled)]
+        plan = self.scheduler.schedule()
+        outputs += [self._output(r, []) for r in plan.failed]
+        if plan.has_work:
+            self._in_flight = (plan, self.runner.run(plan))
+        else:
             self.runner.drain()
         return outputs
 

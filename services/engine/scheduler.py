@@ -43,8 +43,9 @@ class StepPlan:
     """What one step computes."""
 
     prefills: tuple[PrefillChunk, ...] = ()  # one B=1 forward each
-    decodes: tuple[Request, ...] = ()  # rows of the one batched decode forward, one token each
+    decodes: tuple[Request, ...] = ()  # rows of the decode window, one token per row and step
     failed: tuple[Request, ...] = ()  # requests ended with an error while scheduling
+    steps: int = 1  # decode steps in the window (more than one only when no prompt waits)
 
     @property
     def has_work(self) -> bool:
@@ -61,7 +62,12 @@ class Session:
     """A slot kept between the turns of one conversation."""
 
     slot: SlotView | None  # None until its first turn is admitted
-    tail_token_ids: list[int]  # history tokens whose K/V is not computed yet (the next turn computes them)
+    token_ids: list[int]  # every token of the conversation so far: prompts and the outputs reported
+
+    @property
+    def tail_token_ids(self) -> list[int]:
+        """History tokens whose K/V the slot does not hold (the next turn computes them)."""
+        return self.token_ids[self.slot.num_tokens if self.slot else 0 :]
     request: Request | None = None  # the turn in progress
     is_closing: bool = False  # release the slot when the turn in progress ends
 
@@ -74,10 +80,14 @@ class Scheduler:
         step_token_budget (int): Tokens per step, decode rows and prompt chunks together.
         max_context (int): Tokens per sequence (prompt, history and outputs).
         eos_token_ids (Iterable[int]): Tokens that end a request with "stop".
+        decode_window (int): Most decode steps per step while no prompt waits (one host sync
+            per window; tokens past an EOS or a cancel inside a window are dropped). Default: 8.
     """
 
-    def __init__(self, slots: SlotTable, *, step_token_budget: int, max_context: int, eos_token_ids: Iterable[int]):
+    def __init__(self, slots: SlotTable, *, step_token_budget: int, max_context: int, eos_token_ids: Iterable[int],
+                 decode_window: int = 8):
         self.slots, self.step_token_budget, self.max_context = slots, step_token_budget, max_context
+        self.decode_window = max(1, min(decode_window, slots.page_size))
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: deque[Request] = deque()
@@ -118,7 +128,7 @@ class Scheduler:
         request.prefill_token_ids = tail + list(request.prompt_token_ids)
         request.max_tokens, request.slot = max_tokens, session.slot if session else None
         if request.session_id is not None:
-            self.sessions[request.session_id] = session or Session(slot=None, tail_token_ids=[])
+            self.sessions[request.session_id] = session or Session(slot=None, token_ids=[])
             self.sessions[request.session_id].request = request
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -141,17 +151,28 @@ class Scheduler:
     # -- scheduling ----------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """Pick this step's decode rows, then prompt chunks under what is left of the budget."""
-        decodes, failed = self._schedule_decodes()
+        """Pick this step's decode rows and window, then prompt chunks under what is left of the budget."""
+        steps = self._window_steps()
+        decodes, failed = self._schedule_decodes(steps)
         prefills = self._schedule_prefills(self.step_token_budget - len(decodes))
-        return StepPlan(prefills=tuple(prefills), decodes=tuple(decodes), failed=tuple(failed))
+        return StepPlan(prefills=tuple(prefills), decodes=tuple(decodes), failed=tuple(failed), steps=steps)
 
-    def _schedule_decodes(self) -> tuple[list[Request], list[Request]]:
+    def _window_steps(self) -> int:
+        """Decode steps this step: a window while no prompt waits, capped by every row's remaining
+        tokens and by the free pages (else one step, and rows that cannot grow fail as usual)."""
+        if self.waiting or any(r.is_prefill for r in self.running):
+            return 1
+        remaining = [r.max_tokens - r.num_output_tokens - r.num_pending_outputs for r in self.running]
+        steps = max(1, min([self.decode_window, *[n for n in remaining if n > 0]]))
+        needed = sum(self.slots.pages_needed(r.slot, steps) for r in self.running)
+        return steps if needed <= self.slots.num_free_pages else 1
+
+    def _schedule_decodes(self, steps: int) -> tuple[list[Request], list[Request]]:
         decodes, failed = [], []
         for request in self.running:
             if request.is_prefill or request.num_output_tokens + request.num_pending_outputs >= request.max_tokens:
                 continue
-            needed = self.slots.pages_needed(request.slot, 1)
+            needed = self.slots.pages_needed(request.slot, steps)
             if needed > self.slots.num_free_pages:
                 # With pages waiting on the fence, try again next step; otherwise the stream cannot
                 # grow: it fails once its launched tokens are read back (they are delivered first).
@@ -159,9 +180,9 @@ class Scheduler:
                     failed.append(request)
                 continue
             if needed:
-                self.slots.reserve([(request.slot, 1)])
-            request.num_computed_tokens += 1
-            request.num_pending_outputs += 1
+                self.slots.reserve([(request.slot, steps)])
+            request.num_computed_tokens += steps
+            request.num_pending_outputs += steps
             decodes.append(request)
         for request in failed:
             error = CapacityExhausted(f"the KV cache is full ({self.slots.capacity_tokens} tokens): cannot grow")
@@ -193,23 +214,28 @@ class Scheduler:
 
     # -- results ---------------------------------------------------------------------
 
-    def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
-        """Record the tokens a step sampled; returns the requests that got one, in plan order.
+    def update(self, plan: StepPlan, sampled: Mapping[str, list[int]]) -> list[tuple[Request, list[int]]]:
+        """Record the tokens a step sampled; returns (request, tokens it kept) in plan order.
 
-        Rows of requests that ended after the step was scheduled are ignored.
+        Rows of requests that ended after the step was scheduled are ignored, and so are the
+        tokens a window sampled after a request's EOS or last allowed token.
         """
         updated = []
         for request in plan.sampling:
             if request.is_finished:
                 continue
-            token = sampled[request.request_id]
-            request.num_pending_outputs -= 1
-            request.append_output(token)
-            updated.append(request)
-            if token in self.eos_token_ids:
-                self.finish(request, RequestStatus.FINISHED_STOPPED)
-            elif request.num_output_tokens >= request.max_tokens:
-                self.finish(request, RequestStatus.FINISHED_LENGTH)
+            kept = []
+            for token in sampled[request.request_id]:
+                request.num_pending_outputs -= 1
+                request.append_output(token)
+                kept.append(token)
+                if token in self.eos_token_ids:
+                    self.finish(request, RequestStatus.FINISHED_STOPPED)
+                elif request.num_output_tokens >= request.max_tokens:
+                    self.finish(request, RequestStatus.FINISHED_LENGTH)
+                if request.is_finished:
+                    break
+            updated.append((request, kept))
         return updated
 
     def finish(self, request: Request, status: RequestStatus, error: ButtermilkError | None = None) -> bool:
@@ -236,13 +262,16 @@ class Scheduler:
         return True
 
     def _keep_history(self, session: Session, request: Request) -> None:
-        """The session keeps the request's prompt and the outputs read back; the rest of the K/V goes."""
-        history = request.history_token_ids()
-        computed = request.num_computed_tokens - request.num_cached_tokens
-        if computed > len(history):  # a launched token that was never read back (abort)
-            self.slots.truncate(session.slot, request.num_cached_tokens + len(history))
-            computed = len(history)
-        session.tail_token_ids = history[computed:]
+        """The session keeps the request's prompt and the outputs read back; K/V past them goes.
+
+        Positions launched past them (a window's tokens after the ending) are forgotten; when
+        that cannot be exact for a windowed layer, the slot forgets everything and the next
+        turn computes the whole conversation again.
+        """
+        session.token_ids = session.token_ids + request.prompt_token_ids + list(request.output_token_ids)
+        valid = len(session.token_ids)
+        if session.slot.num_tokens > valid:
+            self.slots.truncate(session.slot, valid if self.slots.can_truncate(session.slot, valid) else 0)
 
     # -- sessions --------------------------------------------------------------------
 

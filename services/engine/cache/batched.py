@@ -17,9 +17,10 @@ Costs of this layout:
   donation): the runner lets a forward's reads finish before the next forward's writes are
   launched, and a chunk that wraps a window reads its old slots through `PagedBatch.prefetch`,
   evaluated before that forward. Otherwise a write copies the whole pool.
-- A decode forward can be traced once and replayed (`decode_indices` / `decode_layers`, for
-  `mx.compile`): its pages read per row are rounded up (`bucket_pages`) so the shapes, and
-  the traces, change rarely; the padding is masked by the lengths.
+- Decode runs in windows of steps (`decode_window`): the steps write a small tail pool, so
+  the host launches step n+1 while step n runs; a window step can be traced once and replayed
+  (`window_indices` / `window_layers`, for `mx.compile`): its pages read per row are rounded up
+  (`bucket_pages`) so the shapes, and the traces, change rarely; lengths mask the padding.
 - Page tables are shared by all layers, so in a model mixing full and windowed layers a slot
   gets pages for its full length and the windowed layers leave most of them unused.
 
@@ -45,6 +46,7 @@ from . import pool_rows
 from .factory import CacheOptions, make_layer_caches
 from .kv import KVCache
 from .pages import LayerBudget, SlotTable, SlotView
+from .decode_window import TAIL_PAGES_PER_ROW, WindowIndex, plan_window
 from .paged_index import plan_group
 from .paged_layers import ForwardIndex, LayerSpec, PagedLayerCache, PagedStorage
 
@@ -107,6 +109,9 @@ class BatchedKVCache:
             for s in self.layers
         ]
         self.slots = SlotTable(num_pages=num_pages, page_size=page_size, max_slots=max_slots, layers=budgets)
+        self.tail_pages = max_slots * TAIL_PAGES_PER_ROW
+        tails = [pool_rows.allocate(spec.fmt, self.tail_pages * n_kv_heads * page_size) for spec in self.layers]
+        self.tail = PagedStorage(tails, n_kv_heads=n_kv_heads, page_size=page_size)
         self.windows = tuple(dict.fromkeys(spec.window for spec in self.layers))  # distinct rules, in order
 
     @classmethod
@@ -167,7 +172,7 @@ class BatchedKVCache:
             StaleSlot: a view is stale; nothing changed.
             ValueError: no rows, or `num_new < 1`.
         """
-        indices = self._plan(views, num_new, traced=False)
+        indices = self._plan(views, num_new)
         layers = [PagedLayerCache(self.storage, i, spec, indices[spec.window]) for i, spec in enumerate(self.layers)]
         return PagedBatch(layers, [a for layer in layers for a in layer.prefetched])
 
@@ -175,49 +180,86 @@ class BatchedKVCache:
     def num_pages(self) -> int:
         return self.slots.num_pages
 
-    def decode_indices(self, views: Sequence[SlotView]) -> list[list[mx.array]]:
-        """Reserve and advance one token per row; the index arrays a traced decode forward takes.
+    def plan_window(self, views: Sequence[SlotView], num_steps: int) -> list[WindowIndex]:
+        """Reserve and advance `num_steps` tokens per row; plan a decode window (`decode_window`).
 
         Returns:
-            list[list[mx.array]]: per window rule (in `windows` order), `ForwardIndex.decode_arrays`.
+            list[WindowIndex]: per window rule, in `windows` order.
 
         Raises:
-            CapacityExhausted, StaleSlot, ValueError: as `batch`.
+            CapacityExhausted, StaleSlot, ValueError: as `batch`; ValueError also for a window
+                longer than a page or more rows than the tail pool serves.
         """
-        indices = self._plan(views, 1, traced=True)
-        return [indices[window].decode_arrays() for window in self.windows]
+        starts, padded = self._begin(views, num_steps)
+        shape = {"n_kv_heads": self.n_kv_heads, "num_pages": self.num_pages, "tail_pages": self.tail_pages,
+                 "page_size": self.page_size, "read_pages": bucket_pages}
+        return [plan_window(w, starts, num_steps, padded, **shape) for w in self.windows]
 
-    def decode_layers(self, arrays: Sequence[mx.array], indices: Sequence[Sequence[mx.array]]):
-        """Per-layer caches of a decode forward over given storage arrays (traceable: no state read).
+    def window_indices(self, plans: Sequence[WindowIndex], starts: np.ndarray) -> list[list[list[mx.array]]]:
+        """Device index arrays of every step: `[step][window rule] -> decode_arrays` (one transfer)."""
+        num_steps = plans[0].lengths.shape[0]
+        offsets = (starts[None, :] + np.arange(num_steps)[:, None]).astype(np.int32)
+        parts = [offsets] + [a for p in plans for a in (p.write_rows, p.page_table, p.lengths)]
+        packed = mx.array(np.concatenate([a.reshape(-1) for a in parts]))
+        bounds = np.cumsum([0] + [a.size for a in parts])
+        arrays = [packed[a:b].reshape(part.shape) for a, b, part in zip(bounds, bounds[1:], parts)]
+        offsets, groups = arrays[0], [arrays[1 + 3 * g : 4 + 3 * g] for g in range(len(plans))]
+        return [[[rows[i], table, lengths[i], offsets[i]] for rows, table, lengths in groups] for i in range(num_steps)]
+
+    def copy_to_tail(self, plans: Sequence[WindowIndex]) -> None:
+        """Copy the pages a window writes into their tail pages (tokens from before it only)."""
+        moves = {w: (mx.array(p.main_rows[p.copy_in]), mx.array(p.tail_rows[p.copy_in])) for w, p in zip(self.windows, plans)}
+        for layer, spec in enumerate(self.layers):
+            main_rows, tail_rows = moves[spec.window]
+            if main_rows.size:
+                self.tail.pools[layer] = pool_rows.move(self.storage.pools[layer], main_rows, self.tail.pools[layer],
+                                                        tail_rows)
+
+    def copy_from_tail(self, plans: Sequence[WindowIndex]) -> None:
+        """Copy a finished window's tail pages back to their pages (in place: nothing may still read them)."""
+        moves = {w: (mx.array(p.tail_rows), mx.array(p.main_rows)) for w, p in zip(self.windows, plans)}
+        for layer, spec in enumerate(self.layers):
+            tail_rows, main_rows = moves[spec.window]
+            self.storage.pools[layer] = pool_rows.move(self.tail.pools[layer], tail_rows, self.storage.pools[layer],
+                                                       main_rows)
+
+    @property
+    def tail_arrays(self) -> list[mx.array]:
+        return self.tail.arrays
+
+    def replace_tail_arrays(self, arrays: Sequence[mx.array]) -> None:
+        self.tail = self.tail.with_arrays(arrays)
+
+    def window_layers(self, arrays: Sequence[mx.array], tail_arrays: Sequence[mx.array], indices):
+        """Per-layer caches of one window step over given arrays (traceable: no state read).
 
         Args:
-            arrays (Sequence[mx.array]): Storage arrays, as `arrays` orders them.
-            indices: What `decode_indices` returned.
+            arrays, tail_arrays: Main and tail pool arrays, as `arrays` / `tail_arrays` order them.
+            indices: One step of `window_indices` (per window rule: rows, page table, lengths, offsets).
 
         Returns:
-            tuple[list[PagedLayerCache], PagedStorage]: the caches to run the model with, and
-            the storage they write (read its `arrays` after the forward).
+            tuple[list[PagedLayerCache], PagedStorage]: the caches to run the model with, and the
+            tail storage they write (read its `arrays` after the forward).
         """
-        storage = self.storage.with_arrays(arrays)
-        indices = {window: ForwardIndex.from_decode_arrays(group) for window, group in zip(self.windows, indices)}
-        layers = [PagedLayerCache(storage, i, spec, indices[spec.window]) for i, spec in enumerate(self.layers)]
-        return layers, storage
+        storage, tail = self.storage.with_arrays(arrays), self.tail.with_arrays(tail_arrays)
+        index = {window: ForwardIndex.from_decode_arrays(group) for window, group in zip(self.windows, indices)}
+        layers = [PagedLayerCache(storage, i, spec, index[spec.window], tail=tail) for i, spec in enumerate(self.layers)]
+        return layers, tail
 
-    def _plan(self, views: Sequence[SlotView], num_new: int, *, traced: bool) -> dict:
+    def _begin(self, views: Sequence[SlotView], num_new: int) -> tuple[np.ndarray, np.ndarray]:
         if not views or num_new < 1:
             raise ValueError(f"a forward needs rows and new tokens, got {len(views)} rows of {num_new}")
         starts, tables = self.slots.begin_forward(views, num_new)
         padded = np.zeros((len(tables), max(map(len, tables))), np.int64)
         for row, table in enumerate(tables):
             padded[row, : len(table)] = table
-        starts = np.array(starts, np.int64)
+        return np.array(starts, np.int64), padded
+
+    def _plan(self, views: Sequence[SlotView], num_new: int) -> dict:
+        starts, padded = self._begin(views, num_new)
         shape = {"n_kv_heads": self.n_kv_heads, "num_pages": self.num_pages, "page_size": self.page_size}
-        bucket = bucket_pages if traced else None
-        return {
-            w: ForwardIndex.from_plan(plan_group(w, starts, num_new, padded, read_pages=bucket, **shape), starts,
-                                      as_arrays=traced)
-            for w in self.windows
-        }
+        return {w: ForwardIndex.from_plan(plan_group(w, starts, num_new, padded, **shape), starts)
+                for w in self.windows}
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,13 +84,8 @@ class ForwardIndex:
     offset: int | mx.array
 
     @classmethod
-    def from_plan(cls, index: GroupIndex, starts: np.ndarray, *, as_arrays: bool) -> ForwardIndex:
-        """Move a plan to the device: its integer indices as one transfer, sliced there.
-
-        Args:
-            as_arrays (bool): The offset always as an array (what a traced forward needs);
-                otherwise one row keeps an int offset.
-        """
+    def from_plan(cls, index: GroupIndex, starts: np.ndarray) -> ForwardIndex:
+        """Move a plan to the device: its integer indices as one transfer, sliced there (one row keeps an int offset)."""
         source = np.zeros(0, np.int32) if index.write_source is None else index.write_source
         parts = [index.write_rows, source, index.page_table.reshape(-1), index.lengths, starts.astype(np.int32),
                  index.query_positions.reshape(-1)]
@@ -98,19 +93,15 @@ class ForwardIndex:
         bounds = np.cumsum([0] + [len(p) for p in parts])
         rows, sources, table, lengths, offsets, queries = (packed[a:b] for a, b in zip(bounds, bounds[1:]))
         batch, num_new = index.query_positions.shape
-        offset = int(starts[0]) if len(starts) == 1 and not as_arrays else offsets
+        offset = int(starts[0]) if len(starts) == 1 else offsets
         positions = None if index.positions is None else mx.array(index.positions)
         return cls(batch, num_new, index.read_first, rows, None if index.write_source is None else sources,
                    table.reshape(index.page_table.shape), lengths, positions,
                    None if num_new == 1 else queries.reshape(batch, num_new), offset)
 
-    def decode_arrays(self) -> list[mx.array]:
-        """What a traced decode forward takes: write rows, page table, lengths, offsets."""
-        return [self.write_rows, self.page_table, self.lengths, self.offset]
-
     @classmethod
     def from_decode_arrays(cls, arrays: Sequence[mx.array]) -> ForwardIndex:
-        """Rebuild a one-token-per-row forward from `decode_arrays` (shapes give the sizes)."""
+        """A one-token-per-row forward from [write rows, page table, lengths, offsets] (shapes give the sizes)."""
         rows, table, lengths, offsets = arrays
         return cls(offsets.shape[0], 1, False, rows, None, table, lengths, None, None, offsets)
 
@@ -123,8 +114,10 @@ class PagedLayerCache(AttendingCache):
     `attend` reads the pools in place (`kernels.paged_attention`).
     """
 
-    def __init__(self, storage: PagedStorage, layer: int, spec: LayerSpec, index: ForwardIndex):
+    def __init__(self, storage: PagedStorage, layer: int, spec: LayerSpec, index: ForwardIndex, *,
+                 tail: PagedStorage | None = None):
         self.storage, self.layer, self.spec, self.index, self.offset = storage, layer, spec, index, index.offset
+        self.tail = tail  # a decode window's tail pages: writes go there, reads see them
         self.prefetched: tuple[mx.array, ...] = ()
         self._new: tuple[mx.array, ...] = ()
         if index.read_first:  # the old ring, read before this forward writes it
@@ -144,7 +137,7 @@ class PagedLayerCache(AttendingCache):
         if keys.shape[0] != index.batch or keys.shape[2] != index.num_new:
             raise ValueError(f"planned for {index.batch} rows of {index.num_new} tokens, got keys {keys.shape}")
         self._new = pool_rows.encode(self.spec.fmt, keys, values)
-        pools = self.storage.pools
+        pools = (self.storage if self.tail is None else self.tail).pools
         pools[self.layer] = pool_rows.write(pools[self.layer], index.write_rows, self._new, index.write_source)
         return keys, values
 
@@ -162,6 +155,8 @@ class PagedLayerCache(AttendingCache):
         """Attention of queries [B, n_heads, L, head_dim] over the rows' slots; `mask` is ignored."""
         index, spec = self.index, self.spec
         ref = self.storage.ref(self.layer, spec.fmt)
+        if self.tail is not None:
+            ref = PoolRef(spec.fmt, ref.pools, ref.n_kv_heads, ref.page_size, self.tail.pools[self.layer])
         if index.num_new == 1:
             return decode_attention(queries, ref, index.page_table, index.lengths, scale=scale, sinks=sinks)
         if index.read_first:

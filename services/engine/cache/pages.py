@@ -252,21 +252,37 @@ class SlotTable:
             slot.num_tokens += num_new
         return starts, [slot.page_table for slot in slots]
 
-    def truncate(self, view: SlotView, num_tokens: int) -> None:
-        """Forget positions from `num_tokens` on; pages no longer needed go back after the fence.
+    def can_truncate(self, view: SlotView, num_tokens: int) -> bool:
+        """Whether forgetting positions from `num_tokens` on is exact for every layer.
 
-        Under a window that has wrapped, only the last position can be forgotten: its ring
-        slot held a position that already fell out of every later query's window.
+        Forgetting everything, or only the last position, always is; otherwise a windowed layer
+        must not have evicted anything yet (past positions a later query would see are gone).
 
         Raises:
             StaleSlot: the view is stale.
-            ValueError: `num_tokens` is not below the current count, or the window forbids it.
+        """
+        seen = self.slot(view).num_tokens
+        if not 0 <= num_tokens <= seen:
+            return False
+        if num_tokens == 0 or seen - num_tokens <= 1:
+            return True
+        return all(bound is None or seen <= bound for bound in self._bytes_by_bound)
+
+    def truncate(self, view: SlotView, num_tokens: int) -> None:
+        """Forget positions from `num_tokens` on; pages no longer needed go back after the fence.
+
+        Raises:
+            StaleSlot: the view is stale.
+            ValueError: the truncation is not exact for every layer (`can_truncate`).
         """
         slot = self.slot(view)
-        wrapped = self.max_live_tokens is not None and slot.num_tokens > self.max_live_tokens
-        if not 0 <= num_tokens <= slot.num_tokens or (wrapped and slot.num_tokens - num_tokens > 1):
-            raise ValueError(f"cannot truncate slot {view.slot_id} from {slot.num_tokens} to {num_tokens} tokens")
-        keep = self.pages_for(num_tokens) if not wrapped else len(slot.page_table)
+        if not self.can_truncate(view, num_tokens):
+            raise ValueError(f"cannot truncate slot {view.slot_id} from {slot.num_tokens} to {num_tokens} tokens "
+                             "exactly (a window has evicted positions a later query would see)")
+        keep = 0
+        if num_tokens:  # a ring keeps the slots it holds: the truncated one is rewritten next
+            keep = max(self.pages_for(num_tokens if bound is None else min(slot.num_tokens, bound))
+                       for bound in self._bytes_by_bound)
         self._defer(slot.page_table[keep:])
         del slot.page_table[keep:]
         slot.num_tokens = num_tokens

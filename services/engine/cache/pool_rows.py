@@ -51,6 +51,16 @@ def write(pools: tuple[mx.array, ...], rows: mx.array, new: tuple[mx.array, ...]
     return tuple(out)
 
 
+def move(sources: tuple[mx.array, ...], source_rows: mx.array, targets: tuple[mx.array, ...],
+         target_rows: mx.array) -> tuple[mx.array, ...]:
+    """Per pool, `target` with rows `target_rows` replaced by `source[source_rows]` (int32 [m] each)."""
+    out = []
+    for source, target in zip(sources, targets):
+        target[target_rows] = mx.take(source, source_rows, axis=0)
+        out.append(target)
+    return tuple(out)
+
+
 def allocate(fmt: LayerFormat, num_rows: int) -> tuple[mx.array, ...]:
     """Zeroed pools of `num_rows` rows in the layer's format."""
     return tuple(mx.zeros((num_rows, width), dtype) for width, dtype in fmt.pool_specs())
