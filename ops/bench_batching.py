@@ -39,29 +39,16 @@ from services.engine.request import Request
 from services.engine.sampling import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
-# Llama-3.2-1B's shape (config.json of meta-llama/Llama-3.2-1B), random weights.
-RANDOM_MODELS = {
-    "llama-1b": dict(
-        model_type="llama", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
-        vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True, max_position_embeddings=131072,
-    ),
-}
 
 
 def random_model(name: str, dtype: str) -> LoadedModel:
-    """A random-initialized model of a real shape (no tokenizer: no EOS)."""
-    from mlx_lm.models import llama
+    """A random-initialized model of a real shape (`ops.bench_kv.RANDOM_MODELS`; no tokenizer: no EOS)."""
+    from ops.bench_kv import RANDOM_MODELS
+    from ops.bench_kv import random_model as build
 
-    from services.engine import attention
-
-    attention.install()
-    config = RANDOM_MODELS[name]
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs(**config))
-    model.set_dtype(getattr(mx, dtype))
-    mx.eval(model.parameters())
-    return LoadedModel(model=model, tokenizer=SimpleNamespace(eos_token_ids=set()), path=Path(name), config=config)
+    _, config, label = RANDOM_MODELS[name]
+    model = build(name, getattr(mx, dtype))
+    return LoadedModel(model=model, tokenizer=SimpleNamespace(eos_token_ids=set()), path=Path(label), config=config)
 
 
 def prompts_for(batch: int, vocab: int, seed: int) -> list[list[int]]:
@@ -208,7 +195,7 @@ def compare(loaded: LoadedModel, batch: int, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default", help="model spec for load_model (ignored with --random-model)")
-    parser.add_argument("--random-model", choices=sorted(RANDOM_MODELS), help="random weights of a real shape")
+    parser.add_argument("--random-model", choices=["llama-1b", "qwen3-1.7b"], help="random weights of a real shape")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the random model")
     parser.add_argument("--batch-sizes", default="1,4,16,32")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per stream")

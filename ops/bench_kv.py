@@ -132,22 +132,30 @@ def decode_rate(core, requests, warmup: int) -> float:
 def decode_row(loaded, scheme: str, context: int, args) -> dict:
     """Fill `--streams` slots with `context` tokens each, then time the engine's decode."""
     from ops.engine_fill import filled_engine
+    from services.engine.cache import schemes
 
     gc.collect()
     mx.clear_cache()
     weights = args.weights_bytes  # active memory right after loading: leftovers of earlier rows count against this row
     mx.reset_peak_memory()
-    best = 0.0
+    streams = args.streams
+    if args.memory_budget_gib:  # as many streams as the budget's KV capacity holds
+        per_token = schemes.bytes_per_token(scheme, model=loaded.model)
+        streams = int(args.memory_budget_gib * 2**30 // per_token) // (context + args.warmup + args.steps + 32)
+    best, peak = 0.0, 0
     for _ in range(args.repeats):  # a fresh engine per run: its sessions are consumed
-        core, requests = filled_engine(loaded, scheme, [context] * args.streams, max_tokens=args.warmup + args.steps,
+        core, requests = filled_engine(loaded, scheme, [context] * streams, max_tokens=args.warmup + args.steps,
                                        decode_window=args.decode_window)
-        kv_bytes = sum(core.cache.slots.nbytes(r_slot) for r_slot in (s.slot for s in core.scheduler.sessions.values()))
+        kv_bytes = sum(core.cache.slots.nbytes(s.slot) for s in core.scheduler.sessions.values())
+        capacity_bytes = sum(a.nbytes for a in core.cache.arrays)
+        mx.reset_peak_memory()  # decode's peak: the fill's temporaries do not count
         best = max(best, decode_rate(core, requests, args.warmup))
+        peak = max(peak, mx.get_peak_memory())
         del core, requests
-    peak = mx.get_peak_memory()
-    return {"scheme": scheme, "context_tokens": context, "streams": args.streams, "decode_tokens_per_s": best,
-            "kv_nbytes_after_fill": kv_bytes, "kv_bytes_per_token": kv_bytes / (context * args.streams),
-            "peak_memory_bytes": peak, "peak_over_weights_bytes": peak - weights}
+        gc.collect()
+    return {"scheme": scheme, "context_tokens": context, "streams": streams, "decode_tokens_per_s": best,
+            "kv_nbytes_after_fill": kv_bytes, "kv_bytes_per_token": kv_bytes / (context * streams),
+            "pool_bytes": capacity_bytes, "peak_memory_bytes": peak, "peak_over_weights_bytes": peak - weights}
 
 
 def run_decode(loaded, args) -> list[dict]:
@@ -258,6 +266,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=9, help="untimed tokens per stream first (traces, allocator)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row; the fastest counts (as the anchor)")
     parser.add_argument("--streams", type=int, default=1, help="concurrent streams, each at the context (decode mode)")
+    parser.add_argument("--memory-budget-gib", type=float, default=0.0,
+                        help="decode mode: instead of --streams, as many streams as this KV budget holds per scheme")
     parser.add_argument("--decode-window", type=int, default=8, help="decode steps per host sync (decode mode)")
     parser.add_argument("--fill-chunk", type=int, default=1024, help="tokens of random K/V written per call")
     parser.add_argument("--prefill-queries", type=int, default=512, help="prefill-phase queries (attention mode)")

@@ -128,6 +128,23 @@ def bits_per_element(scheme: str, *, head_dim: int, dtype: mx.Dtype, layer: int 
     return layer_format(scheme, layer=layer, dtype=dtype, head_dim=head_dim).bits_per_element()
 
 
+def bytes_per_token(scheme: str, *, model) -> int:
+    """KV bytes one token costs across a model's attention layers under `scheme` (layer overrides included).
+
+    Args:
+        scheme (str): A scheme spec.
+        model: An mlx-lm model (its layers' caches decide which are attention layers).
+    """
+    from .batched import layer_specs
+    from .factory import CacheOptions
+
+    cfg = model.args
+    n_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return sum(LayerFormat(k, v, head_dim).bytes_per_row * n_kv_heads
+               for k, v, _ in layer_specs(model, CacheOptions(scheme=scheme)))
+
+
 def part_from_meta(meta: dict[str, str]) -> PartFormat:
     """Rebuild a part from its `meta()` (the stored format: rotation seeds included).
 
