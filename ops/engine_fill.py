@@ -37,7 +37,7 @@ def filled_engine(loaded: LoadedModel, scheme: str, contexts: list[int], *, max_
     need = sum(c + max_tokens + 2 * page_size for c in contexts)
     core = EngineCore(loaded, CacheOptions(scheme=scheme, max_context=max(contexts) + max_tokens + 1),
                       capacity_tokens=capacity_tokens or need, max_slots=len(contexts),
-                      step_token_budget=max(512, len(contexts)), page_size=page_size, decode_window=decode_window)
+                      step_token_budget=len(contexts) + 512, page_size=page_size, decode_window=decode_window)
     requests = []
     for i, context in enumerate(contexts):
         view = core.cache.acquire()

@@ -44,6 +44,7 @@ class ChildSpec:
     name: str  # "controller", "gateway" or an engine id
     argv: tuple[str, ...]  # arguments after `python -m services.cli`
     is_engine: bool = False
+    env: tuple[tuple[str, str], ...] = ()  # extra environment (an engine's CUDA_VISIBLE_DEVICES)
 
 
 @dataclass(slots=True)
@@ -139,7 +140,7 @@ class Supervisor:
         argv = [sys.executable, "-m", "services.cli", *spec.argv]
         if spec.is_engine:
             argv += ["--epoch", str(epoch)]
-        env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
+        env = dict(os.environ, **dict(spec.env), **{PARENT_PID_ENV: str(os.getpid())})
         proc = subprocess.Popen(argv, env=env, start_new_session=True)
         self.children[spec.name] = Child(spec, proc, epoch, restarts if restarts is not None else deque())
         self.log.info("started", service=spec.name, pid=proc.pid, epoch=epoch if spec.is_engine else None)

@@ -208,3 +208,27 @@ def test_recurrent_layers_are_refused_clearly():
 @pytest.fixture(scope="module")
 def tiny_mixed_llama():
     return make_tiny_mixed_llama(vocab=VOCAB)
+
+
+def test_truncation_is_exact_for_every_layer_or_refused():
+    """Issue 11.14: full layer + sliding layer (window 32) holding 101 tokens. Forgetting 5 would
+    let later queries see positions the ring already overwrote: refused. Forgetting the last one,
+    or everything, is exact: the next logits equal a fresh prefill's."""
+    model = make_tiny_mixed_llama(vocab=VOCAB, sliding_window=32)
+    options = CacheOptions(max_context=4096)
+    tokens = random_prompts([101], seed=21)[0]
+    cache = make_cache(model, options, capacity_tokens=512, page_size=16, max_slots=2)
+    view = cache.acquire()
+    for start in range(0, 101, 40):
+        forward(model, cache, [view], mx.array([tokens[start : start + 40]]))
+    assert not cache.slots.can_truncate(view, 96)
+    with pytest.raises(ValueError, match="exactly"):
+        cache.slots.truncate(view, 96)
+    cache.slots.truncate(view, 100)
+    again = forward(model, cache, [view], mx.array([tokens[100:101]]))[0, -1]
+    fresh_cache = make_cache(model, options, capacity_tokens=512, page_size=16, max_slots=2)
+    fresh_view = fresh_cache.acquire()
+    for start in range(0, 101, 40):
+        fresh = forward(model, fresh_cache, [fresh_view], mx.array([tokens[start : start + 40]]))[0, -1]
+    np.testing.assert_allclose(np.array(again), np.array(fresh), atol=1e-4)
+    assert cache.slots.can_truncate(view, 0)

@@ -186,3 +186,27 @@ def test_layer_override_gives_one_layer_another_scheme(tiny_llama):
 def test_malformed_layer_overrides_are_rejected(scheme):
     with pytest.raises(ValueError, match="zip|override"):
         layer_parts(scheme, layer=0, dtype=mx.float32)
+
+
+@pytest.mark.parametrize("scheme, head_dim, reason", [
+    ("affine8", 80, "group size 64 does not divide head_dim 80"),
+    ("affine8", 96, "group size 64 does not divide head_dim 96"),
+    ("affine4", 80, "group size 32 does not divide head_dim 80"),
+    ("aura4v4", 96, "power-of-two head_dim"),
+    ("aura4v4+2=raw", 192, "power-of-two head_dim"),
+])
+def test_a_scheme_that_cannot_store_a_geometry_is_refused_at_configuration(scheme, head_dim, reason):
+    """Issue 11.15: caught when the engine or generate is configured, not at the first prefill."""
+    from pathlib import Path
+
+    from services.engine.model.loader import LoadedModel
+    from services.engine.runtime import cache_options
+    from shared.errors import BadRequest
+    from shared.settings import ModelSettings
+
+    config = {"num_hidden_layers": 4, "num_attention_heads": 8, "hidden_size": 8 * head_dim, "head_dim": head_dim,
+              "max_position_embeddings": 4096}
+    loaded = LoadedModel(model=None, tokenizer=None, path=Path("x"), config=config)
+    with pytest.raises(BadRequest, match=reason):
+        cache_options(ModelSettings(kv_cache=scheme), loaded)
+    cache_options(ModelSettings(kv_cache="raw"), loaded)  # raw stores any head_dim

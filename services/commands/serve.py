@@ -9,7 +9,10 @@ processes. Every gateway, controller and engine setting can be given here too.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -32,7 +35,8 @@ class ServeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BUTTERMILK_", extra="ignore")
 
     engines: int = Field(1, ge=1, le=64, description="engine processes")
-    device: str = Field("cpu", description="cpu (all engines share the CPU), gpu (engine i on gpu:i) or gpu:N (all on one)")
+    device: str = Field("auto", description="auto (gpu if there is one, else cpu), cpu (engines share it), "
+                        "gpu (one engine per GPU, round robin) or gpu:N (all on GPU N)")
     run_dir: str | None = Field(None, description="folder for the internal ipc sockets (default: a new temporary folder)")
 
 
@@ -44,9 +48,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         seen |= set(cls.model_fields)
 
 
-def engine_device(spec: str, index: int) -> str:
-    """The device of engine `index` under serve's `--device`."""
-    return f"gpu:{index}" if spec == "gpu" else spec
+def visible_gpus() -> list[str]:
+    """CUDA GPU ids this process may use (CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`), without touching CUDA.
+
+    Returns an empty list without CUDA GPUs (an Apple GPU is one device every engine shares).
+    """
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip() and g.strip() != "-1"]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split(":")[0].removeprefix("GPU ").strip() for line in out.splitlines() if line.startswith("GPU ")]
+
+
+def resolve_device(spec: str, gpus: list[str]) -> str:
+    """`auto` -> `gpu` where a GPU exists (CUDA, or Apple's Metal), else `cpu`; other specs as given."""
+    if spec != "auto":
+        return spec
+    import mlx.core as mx
+
+    return "gpu" if gpus or (sys.platform == "darwin" and mx.metal.is_available()) else "cpu"
+
+
+def engine_placement(spec: str, index: int, gpus: list[str]) -> tuple[str, dict[str, str]]:
+    """(device, environment) of engine `index`: on CUDA each engine sees exactly one GPU.
+
+    `gpu` puts engine i on GPU `gpus[i % len(gpus)]`, `gpu:N` every engine on GPU N; the engine
+    then runs on its only visible device, `gpu:0`. Without CUDA GPUs (CPU, Apple), engines share.
+    """
+    if spec == "cpu" or not gpus:
+        return ("gpu:0" if spec.startswith("gpu") else spec), {}
+    gpu = gpus[index % len(gpus)] if spec == "gpu" else spec.partition(":")[2]
+    return "gpu:0", {"CUDA_VISIBLE_DEVICES": gpu}
 
 
 def weights_dtype(dtype: str, device: str) -> str:
@@ -84,8 +121,9 @@ def build_plan(args: argparse.Namespace, run_dir: Path):
     model = parse_settings(ModelSettings, args)
     for cls in (GatewaySettings, ControllerSettings, EngineSettings):
         parse_settings(cls, args)  # validate now: a bad value is a usage error, not a crash
-    device0 = engine_device(serve.device, 0)
-    dtype = weights_dtype(model.dtype, device0)
+    gpus = visible_gpus()
+    device = resolve_device(serve.device, gpus)
+    dtype = weights_dtype(model.dtype, "cpu" if device == "cpu" else "gpu")
     path = resolve_model(model.model, dtype=dtype)  # converts a GGUF once, here, not per engine
     given = {n: v for n, v in vars(args).items() if v is not None}
     ipc = {"engine_cmd_address": f"ipc://{run_dir}/engine-cmd",
@@ -98,9 +136,10 @@ def build_plan(args: argparse.Namespace, run_dir: Path):
         fields = {**values, **{n: v for n, v in {**common, **ipc}.items() if n in cls.model_fields}, **planned}
         return (command, *child_flags(fields))
 
+    placements = [engine_placement(device, i, gpus) for i in range(serve.engines)]
     engines = tuple(
-        ChildSpec(f"e{i}", argv("engine", EngineSettings, engine_id=f"e{i}",
-                                device=engine_device(serve.device, i)), is_engine=True)
+        ChildSpec(f"e{i}", argv("engine", EngineSettings, engine_id=f"e{i}", device=placements[i][0]),
+                  is_engine=True, env=tuple(placements[i][1].items()))
         for i in range(serve.engines)
     )  # fmt: skip
     gateway = GatewaySettings(**{n: v for n, v in given.items() if n in GatewaySettings.model_fields})

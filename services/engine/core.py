@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 from shared.errors import BadRequest, ButtermilkError
 
 from .cache.batched import BatchedKVCache
@@ -69,8 +71,8 @@ class EngineCore:
         decode_window (int): Most decode steps per host sync while no prompt waits. Default: 8.
 
     Raises:
-        ValueError: a budget below `max_slots` (a prompt could starve), an unsupported layer
-            kind (recurrent), or an unknown scheme.
+        ValueError: a budget not above `max_slots` (a prompt could starve), an unsupported layer
+            kind (recurrent), an unknown scheme, or a model whose forward the caches cannot serve.
     """
 
     def __init__(
@@ -84,8 +86,9 @@ class EngineCore:
         page_size: int = 16,
         decode_window: int = 8,
     ):
-        if step_token_budget < max_slots:
-            raise ValueError(f"step_token_budget {step_token_budget} must be >= max_slots {max_slots}")
+        if step_token_budget <= max_slots:
+            raise ValueError(f"step_token_budget {step_token_budget} must exceed max_slots {max_slots} "
+                             "(prompt chunks get what a full decode batch leaves)")
         self.loaded, self.options = loaded, options
         self._model_geometry = model_geometry(loaded)
         self.cache = BatchedKVCache.for_model(
@@ -99,8 +102,26 @@ class EngineCore:
             decode_window=min([decode_window, *(w.ring for w in self.cache.windows if w is not None)]),
         )
         self.runner = ModelRunner(loaded.model, self.cache)
+        self._check_geometry()
         self._in_flight: tuple[StepPlan, Launch] | None = None
         self._aborts: set[str] = set()
+
+    def _check_geometry(self) -> None:
+        """Run one token through a scratch slot, so a model the caches cannot serve fails at start.
+
+        Raises:
+            ValueError: the forward failed (e.g. keys and values of different widths, or an
+                attention the caches do not implement); the message names the scheme.
+        """
+        view = self.cache.acquire()
+        try:
+            batch = self.cache.batch([view], 1)
+            mx.eval(self.loaded.model(mx.zeros((1, 1), mx.uint32), cache=batch.layers), self.cache.arrays)
+        except (ValueError, TypeError, IndexError) as exc:
+            raise ValueError(f"the engine cannot serve this model with --kv-cache {self.options.scheme}: {exc}") from exc
+        finally:
+            self.cache.release(view)
+            self.runner.drain()
 
     def add_request(self, request: Request) -> None:
         """Queue a request; errors are raised here and leave no state.

@@ -190,22 +190,36 @@ class Scheduler:
         return decodes, failed
 
     def _schedule_prefills(self, budget: int) -> list[PrefillChunk]:
+        """Prompt chunks in arrival order, each cut at the request's own boundaries.
+
+        A request's prompt is cut every `prefill_chunk_tokens` from its own start, never where
+        the step's budget runs out: a chunk that does not fit waits for a later step. So a
+        request's K/V (and its quantized codes) do not depend on what else is scheduled.
+        """
         chunks = []
         for request in self.running:
-            if budget <= 0:
-                return chunks
             if request.is_prefill:
-                chunks.append(self._chunk(request, budget))
+                if self._next_chunk(request) > budget:
+                    return chunks
+                chunks.append(self._chunk(request))
                 budget -= chunks[-1].num_tokens
-        while budget > 0 and self.waiting and self._admit(self.waiting[0]):
+        while self.waiting and self._next_chunk(self.waiting[0]) <= budget and self._admit(self.waiting[0]):
             request = self.waiting.popleft()
             self.running.append(request)
-            chunks.append(self._chunk(request, budget))
+            chunks.append(self._chunk(request))
             budget -= chunks[-1].num_tokens
         return chunks
 
-    def _chunk(self, request: Request, budget: int) -> PrefillChunk:
-        num = min(budget, request.num_prompt_tokens - request.num_computed_tokens)
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """Prompt tokens per chunk: what the budget always leaves after a full decode batch."""
+        return max(1, self.step_token_budget - self.slots.max_slots)
+
+    def _next_chunk(self, request: Request) -> int:
+        return min(self.prefill_chunk_tokens, request.num_prompt_tokens - request.num_computed_tokens)
+
+    def _chunk(self, request: Request) -> PrefillChunk:
+        num = self._next_chunk(request)
         start = request.num_computed_tokens - request.num_cached_tokens
         request.num_computed_tokens += num
         is_last = not request.is_prefill

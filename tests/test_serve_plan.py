@@ -1,0 +1,37 @@
+"""`buttermilk serve`'s plan: which device and environment each engine gets (no GPU needed)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.commands import serve
+
+
+def test_gpu_puts_one_engine_on_each_gpu_and_each_sees_only_its_own():
+    placements = [serve.engine_placement("gpu", i, ["0", "1"]) for i in range(4)]
+    assert placements == [("gpu:0", {"CUDA_VISIBLE_DEVICES": gpu}) for gpu in "0101"]
+
+
+def test_gpu_n_pins_every_engine_and_cpu_or_no_cuda_shares():
+    assert serve.engine_placement("gpu:3", 1, ["0", "1", "2", "3"]) == ("gpu:0", {"CUDA_VISIBLE_DEVICES": "3"})
+    assert serve.engine_placement("cpu", 2, ["0", "1"]) == ("cpu", {})
+    assert serve.engine_placement("gpu", 2, []) == ("gpu:0", {})  # an Apple GPU: one device for all
+
+
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 6")
+    assert serve.visible_gpus() == ["4", "6"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert serve.visible_gpus() == []
+
+
+@pytest.mark.model
+def test_the_plan_gives_each_engine_its_device(monkeypatch, tmp_path):
+    monkeypatch.setattr(serve, "visible_gpus", lambda: ["0", "1"])
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    plan = serve.build_plan(parser.parse_args(["--engines", "3", "--dtype", "float32"]), tmp_path)
+    assert [dict(e.env) for e in plan.engines] == [{"CUDA_VISIBLE_DEVICES": g} for g in "010"]
+    assert all(e.argv[e.argv.index("--device") + 1] == "gpu:0" for e in plan.engines)
