@@ -27,7 +27,7 @@ def test_full_attention_plan_equals_row_by_row_plan(steps):
     positions = starts[:, None] + np.arange(steps)[None]
     table = np.pad(tables, ((0, 0), (0, max(0, plan.page_table.shape[1] - 12))))[:, : plan.page_table.shape[1]]
     table = np.where(np.arange(table.shape[1])[None] < -(-(positions[:, -1] + 1) // P)[:, None], table, table[:, :1])
-    rows, (main, tail, copy) = dw._ring_writes(Window(10**6), starts, positions, tables, table, **geometry(batch))
+    rows, (main, tail, copy) = dw._windowed_writes(Window(10**6), starts, positions, tables, table, **geometry(batch))
     assert (rows.reshape(steps, -1) == plan.write_rows).all() and (table == plan.page_table).all()
     got, want = np.lexsort((plan.tail_rows, plan.main_rows)), np.lexsort((tail, main))
     assert (plan.main_rows[got] == main[want]).all() and (plan.tail_rows[got] == tail[want]).all()

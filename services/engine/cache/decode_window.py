@@ -90,7 +90,7 @@ def plan_window(
         write_rows, moves = _full_attention_writes(starts, num_steps, page_tables, table, n_kv_heads=n_kv_heads,
                                                    num_pages=num_pages, tail_pages=tail_pages, page_size=page_size)
     else:
-        write_rows, moves = _ring_writes(window, starts, slots, page_tables, table, n_kv_heads=n_kv_heads,
+        write_rows, moves = _windowed_writes(window, starts, slots, page_tables, table, n_kv_heads=n_kv_heads,
                                          num_pages=num_pages, tail_pages=tail_pages, page_size=page_size)
     main_rows, tail_rows, copy_in = moves
     return WindowIndex(
@@ -128,7 +128,7 @@ def _full_attention_writes(starts, num_steps, page_tables, table, *, n_kv_heads,
     return write_rows, (main_rows.reshape(-1), tail_rows.reshape(-1), copy_in.reshape(-1))
 
 
-def _ring_writes(window, starts, slots, page_tables, table, *, n_kv_heads, num_pages, tail_pages, page_size):
+def _windowed_writes(window, starts, slots, page_tables, table, *, n_kv_heads, num_pages, tail_pages, page_size):
     """Plan of windowed rows, row by row: a ring can revisit a page within one window."""
     num_steps = slots.shape[1]
     heads = np.arange(n_kv_heads)

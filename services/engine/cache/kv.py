@@ -15,6 +15,7 @@ from kernels.paged_attention import (History, PoolRef, WindowRule, contiguous_at
 from shared.errors import ContextOverflow
 
 from . import pool_rows
+from .paged_index import ring_writes
 from .protocol import AttendingCache
 from .window import Window
 
@@ -262,12 +263,6 @@ class KVCache(AttendingCache):
             self._store = tuple(mx.pad(p, grow) for p in self._store)
         self._row_pages = pages
 
-    def _rows(self, slots: np.ndarray) -> np.ndarray:
-        """Pool rows [B, H, n] of logical slots [B, n]."""
-        table = np.arange(self._batch)[:, None] * self._row_pages + np.arange(self._row_pages)[None, :]
-        return pool_rows.flat_rows(table, slots, n_kv_heads=self._heads, num_pages=self._batch * self._row_pages,
-                                   page_size=PAGE_SIZE)
-
     def _write(self, first: int, new: tuple[mx.array, ...]) -> None:
         """Write the new tokens [B, H, L, width] to slots `first .. first+L-1` of every row (a slice update)."""
         num_new = new[0].shape[2]
@@ -282,14 +277,11 @@ class KVCache(AttendingCache):
         """Write a wrapping chunk: per slot, only the newest position that maps to it survives."""
         num_new = new[0].shape[2]
         self._reserve(self.window.max_size)
-        slots = self.window.slot(np.arange(start, start + num_new))
-        _, first_from_end = np.unique(slots[::-1], return_index=True)
-        chunk_index = num_new - 1 - first_from_end
-        rows = self._rows(np.broadcast_to(slots[chunk_index], (self._batch, chunk_index.size)))
-        heads = np.arange(self._batch * self._heads)[:, None]
-        source = (heads * num_new + chunk_index[None, :]).reshape(-1)
-        pools = pool_rows.write(self._pools, mx.array(rows.reshape(-1).astype(np.int32)), new,
-                                mx.array(source.astype(np.int32)))
+        table = np.arange(self._batch)[:, None] * self._row_pages + np.arange(self._row_pages)[None, :]
+        queries = np.broadcast_to(np.arange(start, start + num_new), (self._batch, num_new))
+        rows, source = ring_writes(self.window, queries, table, n_kv_heads=self._heads,
+                                   num_pages=self._batch * self._row_pages, page_size=PAGE_SIZE)
+        pools = pool_rows.write(self._pools, mx.array(rows.astype(np.int32)), new, mx.array(source))
         self._store = tuple(p.reshape(s.shape) for p, s in zip(pools, self._store))
 
 

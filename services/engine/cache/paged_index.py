@@ -107,7 +107,7 @@ def plan_group(
     if window is not None and not decode and bool((starts > window.max_size).any()):
         positions = _positions(window, starts, table.shape[1] * page_size).astype(np.int32)
     if wraps:
-        write_rows, write_source = _ring_writes(window, queries, page_tables, **shape)
+        write_rows, write_source = ring_writes(window, queries, page_tables, **shape)
     else:
         logical = queries if window is None else window.slot(queries)
         write_rows, write_source = flat_rows(page_tables, logical, **shape).reshape(-1), None
@@ -122,7 +122,7 @@ def plan_group(
     )
 
 
-def _ring_writes(
+def ring_writes(
     window: Window, queries: np.ndarray, page_tables: np.ndarray, *, n_kv_heads: int, num_pages: int, page_size: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rows and sources of a chunk written into the ring: per slot only its newest position survives."""
