@@ -115,7 +115,24 @@ class Store:
         self.page_table = np.stack([np.pad(t, (0, width - len(t)), constant_values=t[0]) for t in self.tables])
 
     def ref(self) -> pa.PoolRef:
-        return pa.PoolRef(self.fmt, tuple(self.pools), self.heads, PAGE)
+        return pa.PoolRef(self.fmt, tuple(self.pools), self.heads, PAGE, None if self.tails is None else tuple(self.tails))
+
+    tails = None
+
+    def move_last_pages_to_tail(self) -> None:
+        """Copy each row's last page into a NaN-filled tail pool (page b of it) and point the table there,
+        as a decode window does; the main copy is then poisoned with NaN to prove it is not read."""
+        rows = len(self.tables)
+        self.tails = [_nan_pool(self.heads * (rows + 1) * PAGE, p.shape[1], p.dtype) for p in self.pools]
+        for b, table in enumerate(self.tables):
+            last = len(table) - 1
+            main = (np.arange(self.heads)[:, None] * self.num_pages + table[last]) * PAGE + np.arange(PAGE)
+            tail = (np.arange(self.heads)[:, None] * (rows + 1) + b) * PAGE + np.arange(PAGE)
+            main, tail = mx.array(main.reshape(-1).astype(np.int32)), mx.array(tail.reshape(-1).astype(np.int32))
+            for i, pool in enumerate(self.pools):
+                self.tails[i][tail] = pool[main]
+                pool[main] = _nan_pool(main.size, pool.shape[1], pool.dtype)
+            self.page_table[b, last] = self.num_pages + b
 
 
 def _nan_pool(rows: int, width: int, dtype: mx.Dtype) -> mx.array:
@@ -130,7 +147,8 @@ IMPLEMENTATIONS = ("mlx-ops", "cuda") if ON_CUDA else ("mlx-ops",)
 def run_decode(store: Store, q: mx.array, scale: float, sinks, impl: str):
     table, lengths = mx.array(store.page_table.astype(np.int32)), mx.array(np.array(store.lengths, np.int32))
     if impl == "cuda":
-        return cuda_kv.decode_attention(q, store.fmt, tuple(store.pools), None, table, lengths,
+        tails = None if store.tails is None else tuple(store.tails)
+        return cuda_kv.decode_attention(q, store.fmt, tuple(store.pools), tails, table, lengths,
                                         n_kv_heads=store.heads, page_size=PAGE, scale=scale, sinks=sinks)
     return pa._attend_chunks(q, store.ref(), pa.History(lengths, table), None, None, scale=scale, sinks=sinks)
 
@@ -175,6 +193,21 @@ def test_decode_matches_float64_reference(scheme, head_dim, group, lengths, with
             keys, values = decode_rows_ref(fmt, store.stored[b])
             want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, scale,
                                  np.ones((1, n), bool), None if sinks is None else as_np(sinks).astype(np.float64))
+            np.testing.assert_allclose(got[b], want, atol=tolerance(), err_msg=f"{impl} row {b}")
+
+
+@pytest.mark.parametrize("scheme", ["raw", "affine8", "aura4v2"])
+def test_decode_reads_tail_pages(scheme):
+    """Page ids >= num_pages name the tail pool (a decode window's pages): read there, not in the main pool."""
+    fmt = LayerFormat(*SCHEMES[scheme](DTYPE), 64)
+    store = Store(fmt, (1, 16, 17, 40), 2, seed=9)
+    store.move_last_pages_to_tail()
+    q = mx.array(np.random.default_rng(4).standard_normal((4, 8, 1, 64)).astype(np.float32)).astype(DTYPE)
+    for impl in IMPLEMENTATIONS:
+        got = as_np(run_decode(store, q, 0.125, None, impl))
+        for b, n in enumerate(store.lengths):
+            keys, values = decode_rows_ref(fmt, store.stored[b])
+            want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, 0.125, np.ones((1, n), bool))
             np.testing.assert_allclose(got[b], want, atol=tolerance(), err_msg=f"{impl} row {b}")
 
 
