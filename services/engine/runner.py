@@ -117,19 +117,21 @@ class ModelRunner:
         cache.copy_to_tail(plans)
         tokens = mx.array([r.output_token_ids[-1] for r in requests], dtype=mx.uint32)
         for step in indices:
-            logits, tails = self._step(tokens, step, cache.arrays, cache.tail_arrays)
-            cache.replace_tail_arrays(tails)
+            if not cache.use_tail:
+                mx.synchronize()  # the step writes the main pools: in place only once the last step is done
+            logits, written = self._step(tokens, step, cache.arrays, cache.tail_arrays)
+            (cache.replace_tail_arrays if cache.use_tail else cache.replace_arrays)(written)
             tokens = self._sample(logits, requests)
             launch.window_tokens.append(tokens)
-            mx.async_eval(tokens, *cache.tail_arrays)
+            mx.async_eval(tokens, *written)
         launch.window_ids = [r.request_id for r in requests]
         launch.window_plans = plans
 
     def _window_step(self, tokens: mx.array, indices, arrays: list[mx.array], tail_arrays: list[mx.array]):
-        """The traced decode step: logits [B, vocab] and the written tail arrays."""
-        layers, tail = self.cache.window_layers(arrays, tail_arrays, indices)
+        """The traced decode step: logits [B, vocab] and the arrays it wrote (tail, or main pools)."""
+        layers, written = self.cache.window_layers(arrays, tail_arrays, indices)
         logits = self.model(tokens[:, None], cache=layers)[:, -1]
-        return logits, tail.arrays
+        return logits, written.arrays
 
     def _sample(self, logits: mx.array, requests: tuple[Request, ...]) -> mx.array:
         """uint32 [B]: greedy rows all at once, sampled rows each with its own PRNG stream."""

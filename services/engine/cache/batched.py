@@ -109,7 +109,10 @@ class BatchedKVCache:
             for s in self.layers
         ]
         self.slots = SlotTable(num_pages=num_pages, page_size=page_size, max_slots=max_slots, layers=budgets)
-        self.tail_pages = max_slots * TAIL_PAGES_PER_ROW
+        # Decode windows write a tail pool where steps are launched back to back (a GPU); on the
+        # CPU backend they write the main pools, each step after the last (decode_window).
+        self.use_tail = mx.default_device() != mx.cpu
+        self.tail_pages = max_slots * TAIL_PAGES_PER_ROW if self.use_tail else 1
         tails = [pool_rows.allocate(spec.fmt, self.tail_pages * n_kv_heads * page_size) for spec in self.layers]
         self.tail = PagedStorage(tails, n_kv_heads=n_kv_heads, page_size=page_size)
         self.windows = tuple(dict.fromkeys(spec.window for spec in self.layers))  # distinct rules, in order
@@ -192,7 +195,7 @@ class BatchedKVCache:
         """
         starts, padded = self._begin(views, num_steps)
         shape = {"n_kv_heads": self.n_kv_heads, "num_pages": self.num_pages, "tail_pages": self.tail_pages,
-                 "page_size": self.page_size, "read_pages": bucket_pages}
+                 "page_size": self.page_size, "read_pages": bucket_pages, "use_tail": self.use_tail}
         return [plan_window(w, starts, num_steps, padded, **shape) for w in self.windows]
 
     def window_indices(self, plans: Sequence[WindowIndex], starts: np.ndarray) -> list[list[list[mx.array]]]:
@@ -207,7 +210,7 @@ class BatchedKVCache:
         return [[[rows[i], table, lengths[i], offsets[i]] for rows, table, lengths in groups] for i in range(num_steps)]
 
     def copy_to_tail(self, plans: Sequence[WindowIndex]) -> None:
-        """Copy the pages a window writes into their tail pages (tokens from before it only)."""
+        """Copy the pages a window writes into their tail pages (tokens from before it only; none without a tail)."""
         moves = {w: (mx.array(p.main_rows[p.copy_in]), mx.array(p.tail_rows[p.copy_in])) for w, p in zip(self.windows, plans)}
         for layer, spec in enumerate(self.layers):
             main_rows, tail_rows = moves[spec.window]
@@ -220,6 +223,8 @@ class BatchedKVCache:
         moves = {w: (mx.array(p.tail_rows), mx.array(p.main_rows)) for w, p in zip(self.windows, plans)}
         for layer, spec in enumerate(self.layers):
             tail_rows, main_rows = moves[spec.window]
+            if not main_rows.size:
+                continue
             self.storage.pools[layer] = pool_rows.move(self.tail.pools[layer], tail_rows, self.storage.pools[layer],
                                                        main_rows)
 
@@ -239,12 +244,13 @@ class BatchedKVCache:
 
         Returns:
             tuple[list[PagedLayerCache], PagedStorage]: the caches to run the model with, and the
-            tail storage they write (read its `arrays` after the forward).
+            storage they write — the tail, or the main pools without one (read its `arrays` after).
         """
-        storage, tail = self.storage.with_arrays(arrays), self.tail.with_arrays(tail_arrays)
+        storage = self.storage.with_arrays(arrays)
+        tail = self.tail.with_arrays(tail_arrays) if self.use_tail else None
         index = {window: ForwardIndex.from_decode_arrays(group) for window, group in zip(self.windows, indices)}
         layers = [PagedLayerCache(storage, i, spec, index[spec.window], tail=tail) for i, spec in enumerate(self.layers)]
-        return layers, tail
+        return layers, tail if self.use_tail else storage
 
     def _begin(self, views: Sequence[SlotView], num_new: int) -> tuple[np.ndarray, np.ndarray]:
         if not views or num_new < 1:

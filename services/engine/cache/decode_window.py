@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .paged_index import live_tokens
+from .pool_rows import flat_rows
 from .window import Window
 
 TAIL_PAGES_PER_ROW = 4  # a window of <= page_size steps touches at most 4 pages of a row (a ring that wraps)
@@ -58,6 +59,7 @@ def plan_window(
     tail_pages: int,
     page_size: int,
     read_pages,
+    use_tail: bool = True,
 ) -> WindowIndex:
     """Plan a window of `num_steps` one-token steps over rows at positions `starts`.
 
@@ -69,6 +71,9 @@ def plan_window(
             covering every slot the window writes.
         n_kv_heads, num_pages, tail_pages, page_size (int): Pool geometry.
         read_pages (Callable[[int], int]): Maps pages needed to pages read (traced shapes).
+        use_tail (bool): Write tail pages (steps launched back to back); False writes the main
+            pages directly (each step then waits for the previous one: the CPU backend, where
+            overlapping buys little and the tail's extra reads cost).
 
     Raises:
         ValueError: more steps than a page holds, or more rows than the tail pool serves.
@@ -76,7 +81,7 @@ def plan_window(
     batch = starts.size
     if num_steps > page_size or (window is not None and num_steps > window.ring):
         raise ValueError(f"a decode window of {num_steps} steps exceeds the page size {page_size} or a window ring")
-    if batch * TAIL_PAGES_PER_ROW > tail_pages:
+    if use_tail and batch * TAIL_PAGES_PER_ROW > tail_pages:
         raise ValueError(f"{batch} rows need {batch * TAIL_PAGES_PER_ROW} tail pages, the pool has {tail_pages}")
     positions = starts[:, None] + np.arange(num_steps)[None, :]  # [B, N]
     slots = positions if window is None else window.slot(positions)
@@ -86,7 +91,10 @@ def plan_window(
     table = np.pad(page_tables, ((0, 0), (0, max(0, width - page_tables.shape[1]))))[:, :width].copy()
     live_pages = -(-lengths[:, -1] // page_size)
     table = np.where(np.arange(width)[None, :] < live_pages[:, None], table, table[:, :1])
-    if window is None:
+    if not use_tail:
+        rows = flat_rows(page_tables, slots, n_kv_heads=n_kv_heads, num_pages=num_pages, page_size=page_size)
+        write_rows, moves = rows.transpose(2, 0, 1), (np.zeros(0, np.int64),) * 2 + (np.zeros(0, bool),)
+    elif window is None:
         write_rows, moves = _full_attention_writes(starts, num_steps, page_tables, table, n_kv_heads=n_kv_heads,
                                                    num_pages=num_pages, tail_pages=tail_pages, page_size=page_size)
     else:
