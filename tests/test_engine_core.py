@@ -305,7 +305,8 @@ def test_scheduler_gives_decodes_first_and_chunks_prompts_under_the_budget():
         sizes += [c.num_tokens for c in plan.prefills]
         assert plan.steps == 1  # a prompt waits: one decode step per step
         scheduler.update(plan, {r.request_id: [7] for r in plan.sampling})
-    assert sizes == [7, 7, 7, 7, 2]
+    # Chunks are cut every budget - max_slots = 6 tokens from the prompt's own start.
+    assert sizes == [6, 6, 6, 6, 6]
 
 
 def test_request_status_maps_to_finish_reasons_and_outputs_are_read_only():
