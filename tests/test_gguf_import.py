@@ -207,7 +207,7 @@ def test_unsupported_architecture(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelNotFound, match="only 'llama'"):
+    with pytest.raises(ModelNotFound, match="architecture 'gpt2' is not supported"):
         convert_gguf(path, tmp_path / "out")
 
 

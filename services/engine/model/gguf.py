@@ -1,14 +1,12 @@
-"""Offline importer: one llama GGUF file -> a folder `mlx_lm.utils.load` reads.
+"""Offline importer: one GGUF file -> a folder `mlx_lm.utils.load` reads.
 
 The folder holds `config.json`, `model.safetensors` (dequantized weights under
-HF/mlx-lm llama names), `tokenizer.json`, `tokenizer_config.json`,
+HF/mlx-lm names), `tokenizer.json`, `tokenizer_config.json`,
 `special_tokens_map.json` and `generation_config.json`. Nothing is downloaded.
+Families (llama, gemma3) live in `gguf_arch`, file reading in `gguf_read`, and
+SentencePiece vocabularies in `gguf_spm`; byte-level BPE vocabularies are built here.
 
-Sources for the formats handled here:
-- GGUF metadata keys and tensor names: llama.cpp `gguf-py/gguf/constants.py`.
-- Q/K row order: llama.cpp `convert_hf_to_gguf.py` `LlamaModel.permute`.
-- Q4_0/Q4_1/Q8_0 blocks (32 weights per block) arrive from `mx.load` as MLX affine
-  quantized triples (packed uint32 `weight`, `scales`, `biases`, group size 32).
+Sources: GGUF metadata keys and token types, llama.cpp `gguf-py/gguf/constants.py`.
 """
 
 from __future__ import annotations
@@ -29,25 +27,14 @@ from tqdm import tqdm
 
 from shared.errors import BadRequest, ModelNotFound
 
+from .gguf_arch import Family, family
+from .gguf_read import GGUFContents, read_gguf
+from .gguf_spm import adds_bos, sentencepiece_tokenizer
+
 FORMAT_VERSION = 1  # bump when the written folder changes; cached conversions are keyed on it
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-GROUP_SIZE = 32  # weights per GGML Q4_0/Q4_1/Q8_0 block
-_MAGIC = b"GGUF"
 _TOKEN_CONTROL = 3  # llama.cpp TokenType.CONTROL: special tokens such as <|im_end|>
 _TOKEN_USER_DEFINED = 4  # llama.cpp TokenType.USER_DEFINED: added, non-special tokens
-
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
 
 
 def _byte_level_digits() -> pre_tokenizers.PreTokenizer:
@@ -87,15 +74,15 @@ def resolve_dtype(dtype: str | None) -> str:
 def convert_gguf(
     gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str | None = None, progress: bool = True
 ) -> Path:
-    """Converts a llama GGUF file into an mlx-lm model folder, atomically.
+    """Converts a GGUF file (llama or gemma3) into an mlx-lm model folder, atomically.
 
     Everything is written to a hidden temp folder next to `out_dir` and renamed
     into place last, so `out_dir` exists only once complete.
 
     Args:
-        gguf_path: The GGUF file, llama architecture. Q4_0/Q4_1/Q8_0 tensors are
-            dequantized exactly; `mx.load` hands other GGML types over already
-            dequantized to float16.
+        gguf_path: The GGUF file. Tensors are dequantized to float32 exactly (Q4_0/Q4_1/
+            Q8_0 by `mx.dequantize`, other GGML types such as Q5_0, Q4_K, Q6_K by the
+            `gguf` library, see `gguf_read`), then cast to `dtype`.
         out_dir: The folder to create; it must not exist yet.
         dtype: Weight dtype of the output, see `resolve_dtype`.
         progress: Show a tqdm bar over the tensors on stderr.
@@ -105,23 +92,24 @@ def convert_gguf(
 
     Raises:
         ModelNotFound: The file is missing, is not GGUF, or holds an unsupported
-            architecture, tensor or tokenizer (only llama with a byte-level BPE
-            tokenizer is supported).
+            architecture, tensor or tokenizer (llama and gemma3; byte-level BPE and
+            SentencePiece vocabularies), or needs the `gguf` package, not installed.
         FileExistsError: `out_dir` already exists (possibly written meanwhile by
             another process converting the same file).
         BadRequest: Unknown `dtype`.
     """
     out_dir, dtype = Path(out_dir), resolve_dtype(dtype)
-    tensors, meta = _read_gguf(Path(gguf_path))
-    config = _model_config(meta, tensors, dtype)
-    tokenizer_files = _tokenizer_files(meta, config)
+    contents = read_gguf(gguf_path)
+    arch = family(contents.architecture)
+    config = arch.config(contents.meta, contents.tensor_names) | {"torch_dtype": dtype} | _special_ids(contents.meta)
+    tokenizer_files = _tokenizer_files(contents.meta, config, arch)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        weights = _convert_weights(tensors, config, DTYPES[dtype], progress)
+        weights = _convert_weights(contents, arch, config, DTYPES[dtype], progress)
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         for name, content in {"config.json": config, **tokenizer_files}.items():
             _write_json(tmp / name, content)
@@ -131,6 +119,19 @@ def convert_gguf(
         raise
     _publish(tmp, out_dir)
     return out_dir
+
+
+def _convert_weights(
+    contents: GGUFContents, arch: Family, config: dict[str, Any], dtype: mx.Dtype, progress: bool
+) -> dict[str, mx.array]:
+    """All model weights under mlx-lm names, dequantized, fixed up by the family, cast to `dtype`."""
+    out = {}
+    names = sorted(contents.tensor_names)
+    for name in tqdm(names, desc="Converting GGUF", unit="tensor", file=sys.stderr, disable=not progress):
+        hf_name = arch.hf_name(name)
+        out[hf_name] = arch.transform(name, contents.load(name), config).astype(dtype)
+        mx.eval(out[hf_name])
+    return out
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:
@@ -148,171 +149,39 @@ def _publish(tmp: Path, out_dir: Path) -> None:
         raise
 
 
-def _read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Loads tensors and metadata of a llama GGUF file with `mx.load`.
-
-    Returns:
-        (tensors, metadata): quantized tensors as `name.weight` uint32 [rows, cols*bits/32],
-        `name.scales` / `name.biases` float16 [rows, cols/32]; others as plain arrays.
-
-    Raises:
-        ModelNotFound: Missing file, wrong magic bytes, unreadable, or not llama.
-    """
-    if not path.is_file():
-        raise ModelNotFound(f"GGUF file {path} does not exist")
-    with path.open("rb") as f:
-        if f.read(4) != _MAGIC:
-            raise ModelNotFound(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
-    try:
-        tensors, meta = mx.load(str(path), format="gguf", return_metadata=True)
-    except (RuntimeError, ValueError) as exc:
-        raise ModelNotFound(f"cannot read GGUF file {path}: {exc}") from exc
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelNotFound(f"{path}: architecture {arch!r} is not supported; only 'llama' GGUF files are")
-    return tensors, meta
-
-
-def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
-    """A metadata value as a Python scalar (mx.load gives 0-d arrays), or `default` if absent."""
-    value = meta.get(key, default)
-    return value.item() if isinstance(value, mx.array) else value
-
-
-def _float32_literal(value: float) -> float:
-    """The shortest decimal naming the same float32 (9.99999974e-06 -> 1e-05)."""
-    return float(str(np.float32(value)))
-
-
-def _model_config(meta: dict[str, Any], tensors: dict[str, mx.array], dtype: str) -> dict[str, Any]:
-    """Builds the HF/mlx-lm llama `config.json` from `llama.*` GGUF metadata.
-
-    Raises:
-        ModelNotFound: Rope scaling or partial rotary dims (not supported here).
-    """
-    if _scalar(meta, "llama.rope.scaling.type", "none") != "none":
-        raise ModelNotFound("GGUF rope scaling is not supported by this importer")
-    n_heads = _scalar(meta, "llama.attention.head_count")
-    hidden = _scalar(meta, "llama.embedding_length")
-    head_dim = _scalar(meta, "llama.attention.key_length", hidden // n_heads)
-    if _scalar(meta, "llama.rope.dimension_count", head_dim) != head_dim:
-        raise ModelNotFound("GGUF partial rotary embeddings are not supported by this importer")
-    n_layers = _scalar(meta, "llama.block_count")
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": _scalar(meta, "llama.feed_forward_length"),
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": _scalar(meta, "llama.attention.head_count_kv", n_heads),
-        "head_dim": head_dim,
-        "rms_norm_eps": _float32_literal(_scalar(meta, "llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": _float32_literal(_scalar(meta, "llama.rope.freq_base", 10000.0)),
-        "rope_traditional": False,
-        "rope_scaling": None,
-        "vocab_size": tensors["token_embd.weight"].shape[0],
-        "max_position_embeddings": _scalar(meta, "llama.context_length"),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
-        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
-        "layer_types": ["full_attention"] * n_layers,
-        "sliding_window": None,
-        "hidden_act": "silu",
-        "torch_dtype": dtype,
-    }
-    config.update(_special_ids(meta))
-    return config
-
-
 def _special_ids(meta: dict[str, Any]) -> dict[str, int]:
     """`bos_token_id`, `eos_token_id`, `pad_token_id`, `unk_token_id` present in the metadata."""
     keys = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}
-    ids = {f"{k}_token_id": _scalar(meta, f"tokenizer.ggml.{g}_token_id") for k, g in keys.items()}
+    ids = {f"{k}_token_id": meta.get(f"tokenizer.ggml.{g}_token_id") for k, g in keys.items()}
     return {k: v for k, v in ids.items() if v is not None}
 
 
-def _hf_name(gguf_name: str) -> str:
-    """Maps a GGUF tensor name (`blk.3.attn_q.weight`) to its mlx-lm one (`model.layers.3.self_attn.q_proj.weight`).
+def _stop_token_ids(meta: dict[str, Any], arch: Family) -> list[int]:
+    """EOS, then the end-of-turn token: `tokenizer.ggml.eot_token_id`, else the family's named one."""
+    tokens, ids = meta["tokenizer.ggml.tokens"], [meta["tokenizer.ggml.eos_token_id"]]
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    if eot is None and arch.end_of_turn in tokens:
+        eot = tokens.index(arch.end_of_turn)
+    return ids + [eot] if eot is not None and eot not in ids else ids
+
+
+def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any], arch: Family) -> dict[str, dict[str, Any] | str]:
+    """The tokenizer files' contents (JSON objects, or JSON text), keyed by file name.
 
     Raises:
-        ModelNotFound: A tensor a llama model does not have (e.g. `rope_freqs`).
-    """
-    base, _, suffix = gguf_name.rpartition(".")
-    if base in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[base]}.{suffix}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
-    raise ModelNotFound(f"GGUF tensor {gguf_name!r} is not part of a llama model this importer supports")
-
-
-def _dequantize(tensors: dict[str, mx.array], name: str) -> mx.array:
-    """Tensor `name` in float32: a quantized triple dequantized, or a plain array cast.
-
-    Bits come from the packed width: a row of `in` weights packs into `in*bits/32`
-    uint32 and has `in/32` scales, so bits = packed_cols / scales_cols (4 or 8).
-    Scales and biases are widened to float32 first so x = scale*q + bias is exact.
-    """
-    w = tensors[name]
-    base = name.removesuffix(".weight")
-    if f"{base}.scales" not in tensors:
-        return w.astype(mx.float32)
-    scales = tensors[f"{base}.scales"].astype(mx.float32)
-    biases = tensors[f"{base}.biases"].astype(mx.float32)
-    bits = w.shape[-1] // scales.shape[-1]
-    return mx.dequantize(w, scales, biases, group_size=GROUP_SIZE, bits=bits)
-
-
-def unpermute_rope_rows(w: mx.array, n_head: int) -> mx.array:
-    """Undoes llama.cpp's Q/K row permutation for its RoPE layout.
-
-    llama.cpp `convert_hf_to_gguf.py` `LlamaModel.permute` writes
-    `w.reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2).reshape(w.shape)`: in
-    each head, GGUF row `2*k + half` holds HF row `half*head_dim/2 + k`. This
-    reshapes to (n_head, head_dim/2, 2, in) and swaps back.
-
-    Args:
-        w: GGUF rows [n_head*head_dim, in] (any float dtype).
-        n_head: Query heads for `attn_q`, KV heads for `attn_k`.
-
-    Returns:
-        HF rows, same shape and dtype.
-    """
-    rows, cols = w.shape
-    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
-def _convert_weights(
-    tensors: dict[str, mx.array], config: dict[str, Any], dtype: mx.Dtype, progress: bool
-) -> dict[str, mx.array]:
-    """All model weights under mlx-lm names, dequantized, Q/K un-permuted, cast to `dtype`."""
-    names = sorted(n for n in tensors if not n.endswith((".scales", ".biases")))
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    out = {}
-    for name in tqdm(names, desc="Converting GGUF", unit="tensor", file=sys.stderr, disable=not progress):
-        w = _dequantize(tensors, name)
-        kind = name.split(".")[-2]
-        if kind in heads and name.endswith(".weight"):
-            w = unpermute_rope_rows(w, heads[kind])
-        hf_name = _hf_name(name)
-        out[hf_name] = w.astype(dtype)
-        mx.eval(out[hf_name])
-    return out
-
-
-def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The tokenizer files' contents, keyed by file name.
-
-    Raises:
-        ModelNotFound: Not a byte-level BPE vocabulary (`tokenizer.ggml.model` != gpt2)
-            or a pre-tokenizer type without a known HF equivalent.
+        ModelNotFound: A vocabulary that is neither byte-level BPE (`tokenizer.ggml.model`
+            gpt2, with a known pre-tokenizer) nor SentencePiece ("llama").
     """
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
-    if kind != "gpt2":
-        raise ModelNotFound(f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is")
-    if pre not in _PRE_TOKENIZERS:
-        raise ModelNotFound(f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(_PRE_TOKENIZERS)}")
+    if kind == "llama":
+        tokenizer, add_bos = sentencepiece_tokenizer(meta, arch.name), adds_bos(meta)
+    elif kind == "gpt2":
+        if pre not in _PRE_TOKENIZERS:
+            raise ModelNotFound(f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(_PRE_TOKENIZERS)}")
+        tokenizer, add_bos = _build_tokenizer(meta, _PRE_TOKENIZERS[pre]()), False
+    else:
+        raise ModelNotFound(f"GGUF tokenizer model {kind!r} is not supported; only 'gpt2' (byte-level BPE) "
+                            "and 'llama' (SentencePiece) are")
     tokens = meta["tokenizer.ggml.tokens"]
     types = np.array(meta["tokenizer.ggml.token_type"])
     control = [tokens[i] for i in np.flatnonzero(types == _TOKEN_CONTROL)]
@@ -320,19 +189,20 @@ def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, 
     extra = [t for t in control if t not in named.values()]
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": False,
+        "add_bos_token": add_bos,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": config["max_position_embeddings"],
-        "chat_template": meta.get("tokenizer.chat_template"),
+        "chat_template": meta.get("tokenizer.chat_template") or arch.chat_template,
         **named,
     }
-    generation = {k: v for k, v in config.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    generation = {k: v for k, v in config.items() if k in ("bos_token_id", "pad_token_id")}
+    stops = _stop_token_ids(meta, arch)  # mlx-lm reads its EOS ids from generation_config.json
     return {
-        "tokenizer.json": json.loads(_build_tokenizer(meta, _PRE_TOKENIZERS[pre]()).to_str()),
+        "tokenizer.json": tokenizer.to_str(pretty=True),  # 33 MB for Gemma: serialized in Rust
         "tokenizer_config.json": {k: v for k, v in tokenizer_config.items() if v is not None},
         "special_tokens_map.json": {**named, "additional_special_tokens": extra},
-        "generation_config.json": generation,
+        "generation_config.json": generation | {"eos_token_id": stops[0] if len(stops) == 1 else stops},
     }
 
 
@@ -360,9 +230,10 @@ def _added_tokens(tokens: list[str], types: np.ndarray, token_type: int, *, spec
     return [AddedToken(tokens[i], special=special, normalized=False) for i in np.flatnonzero(types == token_type)]
 
 
-def _write_json(path: Path, content: dict[str, Any]) -> None:
-    """Writes `content` as indented UTF-8 JSON."""
-    path.write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+def _write_json(path: Path, content: dict[str, Any] | str) -> None:
+    """Writes `content` as indented UTF-8 JSON (a str is taken as JSON text already)."""
+    text = content if isinstance(content, str) else json.dumps(content, indent=2, ensure_ascii=False)
+    path.write_text(text + "\n", encoding="utf-8")
 
 
 def _fsync_tree(folder: Path) -> None:
