@@ -70,11 +70,11 @@ class Server:
     children: list[int] = field(default_factory=list)
 
     @classmethod
-    def start(cls, tmp: Path, *flags: str, engines: int = 1) -> Server:
+    def start(cls, tmp: Path, *flags: str, engines: int = 1, model: str = "default") -> Server:
         address = free_tcp_address()
         run_dir = tmp / "run"
         log_path = tmp / "serve.log"
-        argv = [sys.executable, "-m", "services.cli", "serve", "--model", "default", "--address", address,
+        argv = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--address", address,
                 "--engines", str(engines), "--run-dir", str(run_dir), *SERVER_FLAGS, *flags]  # fmt: skip
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
