@@ -73,6 +73,10 @@ class EngineGenerate(WireMessage):
     token_ids: PromptTokens
     sampling: SamplingParams
     session_id: Id | None = None  # keep the KV after finishing; positions continue
+    # A continued turn: the session's history as the client was told it (prompts + reported
+    # completions), tokens. The engine first cuts what it holds beyond that (e.g. tokens
+    # generated after a stop string matched, before the abort landed).
+    session_tokens: Count | None = None
 
 
 class TokenChunk(Struct):
@@ -160,6 +164,17 @@ class EngineDead(WireMessage):
     TYPE = MessageType.ENGINE_DEAD
     engine_id: Id
     epoch: Epoch
+
+
+class GatewayHeartbeat(WireMessage):
+    """The gateway instance speaking on this connection; sent first and every 0.5 s.
+
+    Reservations, leases and sessions belong to the instance that made them; they are
+    released when another instance takes over the connection or this one falls silent.
+    """
+
+    TYPE = MessageType.GATEWAY_HEARTBEAT
+    gateway_id: Id
 
 
 class Revoked(WireMessage):
