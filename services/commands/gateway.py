@@ -31,6 +31,12 @@ class GatewaySettings(ModelSettings):
     max_tokens_cap: int = Field(4096, ge=1, description="server cap on max_tokens")
     engine_timeout_s: float = Field(5.0, gt=0, description="an engine silent this long is declared dead, seconds")
     control_timeout_s: float = Field(5.0, gt=0, description="longest wait for the controller, seconds")
+    drain_timeout_s: float = Field(5.0, ge=0, description="on shutdown, how long running requests may finish, seconds")
+    client_max_active: int = Field(4, ge=1, description="requests one connection may run at once")
+    client_max_queued: int = Field(16, ge=0, description="requests one connection may have waiting")
+    client_max_sessions: int = Field(8, ge=0, description="live sessions one connection may have started")
+    client_max_leases: int = Field(4, ge=0, description="live leases one connection may have opened")
+    client_max_pending_control: int = Field(16, ge=1, description="control requests one connection may have waiting for the controller")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +56,7 @@ def build_core(settings: GatewaySettings):
     from services.engine.model.loader import LoadedModel, resolve_dtype
     from services.engine.model.paths import resolve_model
     from services.engine.runtime import cache_options
+    from services.gateway.clients import ClientLimits
     from services.gateway.core import GatewayCore
     from services.gateway.engines import EngineTable
     from services.gateway.prompts import Prompter
@@ -69,9 +76,17 @@ def build_core(settings: GatewaySettings):
         tokenizer, vocab_size=int(text_config.get("vocab_size") or len(tokenizer)), max_context=options.max_context,
         max_tokens_cap=settings.max_tokens_cap,
     )  # fmt: skip
-    pool = GenerationSessionPool(settings.max_active_sessions, settings.max_queue, settings.queue_timeout_s)
+    pool = GenerationSessionPool(
+        settings.max_active_sessions, settings.max_queue, settings.queue_timeout_s,
+        client_max_active=settings.client_max_active, client_max_queued=settings.client_max_queued,
+    )  # fmt: skip
+    limits = ClientLimits(
+        max_active=settings.client_max_active, max_queued=settings.client_max_queued,
+        max_sessions=settings.client_max_sessions, max_leases=settings.client_max_leases,
+        max_pending_control=settings.client_max_pending_control,
+    )  # fmt: skip
     return GatewayCore(prompter, pool, EngineTable(settings.engine_timeout_s),
-                       control_timeout_s=settings.control_timeout_s)  # fmt: skip
+                       control_timeout_s=settings.control_timeout_s, limits=limits)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         client=settings.address, engine_cmd=settings.engine_cmd_address,
         engine_out=settings.engine_out_address, controller=settings.controller_address,
     )  # fmt: skip
-    service = GatewayService(build_core(settings), addresses)
+    service = GatewayService(build_core(settings), addresses, drain_timeout_s=settings.drain_timeout_s)
 
     async def main() -> None:
         install_stop_handlers(service.stop)
