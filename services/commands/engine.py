@@ -29,6 +29,8 @@ class EngineSettings(ModelSettings):
     max_slots: int = Field(16, ge=1, description="sequences held at once (sessions included)")
     step_token_budget: int = Field(512, ge=1, description="tokens computed per step (prefill chunks and decodes)")
     page_size: int = Field(16, ge=1, description="tokens per KV page")
+    wait_timeout_s: float = Field(60.0, gt=0, description="longest wait of an accepted request for a slot, seconds")
+    drain_timeout_s: float = Field(5.0, ge=0, description="on shutdown, how long running requests may finish, seconds")
     engine_cmd_address: str = Field(DEFAULT_ENGINE_CMD_ADDRESS, description="the gateway's engine-cmd ROUTER")
     engine_out_address: str = Field(DEFAULT_ENGINE_OUT_ADDRESS, description="the gateway's engine-out PULL")
     controller_address: str = Field(DEFAULT_CONTROLLER_ADDRESS, description="the controller's ROUTER")
@@ -89,7 +91,8 @@ def build_service(settings: EngineSettings):
         gateway_cmd=settings.engine_cmd_address, gateway_out=settings.engine_out_address,
         controller=settings.controller_address,
     )  # fmt: skip
-    return EngineService(core, hello, addresses)
+    return EngineService(core, hello, addresses, wait_timeout_s=settings.wait_timeout_s,
+                         drain_timeout_s=settings.drain_timeout_s)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -102,8 +102,12 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Validate and queue a request; on error nothing changes.
 
+        A continued turn with `session_tokens` first cuts the session's history to that length
+        (the client's view of it); the cut stays even if the request is then refused.
+
         Raises:
-            BadRequest: duplicate id, empty prompt, or its session has a turn in progress.
+            BadRequest: duplicate id, empty prompt, its session has a turn in progress, or its
+                history cannot be cut to `session_tokens` (the session is then closed).
             ContextOverflow: history plus prompt leave no room for one generated token.
             CapacityExhausted: the prompt does not fit the cache's free space now.
         """
@@ -114,6 +118,8 @@ class Scheduler:
         session = self.sessions.get(request.session_id) if request.session_id is not None else None
         if session is not None and session.request is not None:
             raise BadRequest(f"session {request.session_id!r} already has a request in progress")
+        if request.session_tokens is not None:
+            self._cut_history(request.session_id, session, request.session_tokens)
         cached = session.slot.num_tokens if session and session.slot else 0
         tail = session.tail_token_ids if session else []
         num_prompt = cached + len(tail) + len(request.prompt_token_ids)
@@ -288,6 +294,30 @@ class Scheduler:
             self.slots.truncate(session.slot, valid if self.slots.can_truncate(session.slot, valid) else 0)
 
     # -- sessions --------------------------------------------------------------------
+
+    def _cut_history(self, session_id: str, session: Session | None, num_tokens: int) -> None:
+        """Forget the session's history beyond `num_tokens` (pending tail first, then K/V).
+
+        Raises:
+            BadRequest: no such session, fewer tokens held, or a K/V cut the cache refuses
+                (a wrapped sliding window); the session is closed then.
+        """
+        cached = session.slot.num_tokens if session is not None and session.slot is not None else 0
+        held = cached + (len(session.tail_token_ids) if session is not None else 0)
+        if session is None or num_tokens > held:
+            if session is not None:
+                self._drop_session(session_id)
+            raise BadRequest(f"session {session_id!r} holds {held} tokens here, not {num_tokens}; start it again")
+        if num_tokens >= cached:
+            session.tail_token_ids = session.tail_token_ids[: num_tokens - cached]
+            return
+        try:
+            self.slots.truncate(session.slot, num_tokens)
+        except ValueError as exc:
+            self._drop_session(session_id)
+            raise BadRequest(f"session {session_id!r} cannot be cut back to {num_tokens} tokens ({exc}); "
+                             "start it again") from None  # fmt: skip
+        session.tail_token_ids = []
 
     def close_session(self, session_id: str) -> tuple[int, Request | None]:
         """Free a session's slot, or mark it to be freed when its turn in progress ends.
