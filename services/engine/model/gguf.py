@@ -9,6 +9,11 @@ Sources for the formats handled here:
 - Q/K row order: llama.cpp `convert_hf_to_gguf.py` `LlamaModel.permute`.
 - Q4_0/Q4_1/Q8_0 blocks (32 weights per block) arrive from `mx.load` as MLX affine
   quantized triples (packed uint32 `weight`, `scales`, `biases`, group size 32).
+- Tokenizer settings that change encoding or stopping (llama.cpp `llama-vocab.cpp`): the
+  end-of-generation tokens (`eos`, `eot`, `eom` ids) all stop generation (`eos_token_id` is
+  written as their list); `add_bos_token` / `add_eos_token` wrap every encoding in BOS / EOS.
+  llama.cpp ignores `add_space_prefix` and `remove_extra_whitespaces` for byte-level BPE, so
+  do we; `add_sep_token` is refused, as is any other encoding setting this file cannot carry.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from tqdm import tqdm
 
 from shared.errors import BadRequest, ModelNotFound
 
-FORMAT_VERSION = 1  # bump when the written folder changes; cached conversions are keyed on it
+FORMAT_VERSION = 2  # bump when the written folder changes; cached conversions are keyed on it
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 GROUP_SIZE = 32  # weights per GGML Q4_0/Q4_1/Q8_0 block
 _MAGIC = b"GGUF"
@@ -222,6 +227,9 @@ def _model_config(meta: dict[str, Any], tensors: dict[str, mx.array], dtype: str
         "torch_dtype": dtype,
     }
     config.update(_special_ids(meta))
+    stops = _stop_token_ids(meta)
+    if len(stops) > 1:
+        config["eos_token_id"] = stops
     return config
 
 
@@ -230,6 +238,28 @@ def _special_ids(meta: dict[str, Any]) -> dict[str, int]:
     keys = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}
     ids = {f"{k}_token_id": _scalar(meta, f"tokenizer.ggml.{g}_token_id") for k, g in keys.items()}
     return {k: v for k, v in ids.items() if v is not None}
+
+
+def _stop_token_ids(meta: dict[str, Any]) -> list[int]:
+    """Every end-of-generation token id: EOS, end of turn (EOT), end of message (EOM), in that order."""
+    ids = [_scalar(meta, f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _encoding_flags(meta: dict[str, Any]) -> tuple[bool, bool]:
+    """(add BOS, add EOS) to every encoding with special tokens.
+
+    Raises:
+        ModelNotFound: `add_sep_token` is set, or BOS/EOS is to be added without its id.
+    """
+    add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(_scalar(meta, "tokenizer.ggml.add_eos_token", False))
+    if _scalar(meta, "tokenizer.ggml.add_sep_token", False):
+        raise ModelNotFound("GGUF tokenizer.ggml.add_sep_token is not supported by this importer")
+    for flag, kind in ((add_bos, "bos"), (add_eos, "eos")):
+        if flag and _scalar(meta, f"tokenizer.ggml.{kind}_token_id") is None:
+            raise ModelNotFound(f"GGUF add_{kind}_token is set but tokenizer.ggml.{kind}_token_id is missing")
+    return add_bos, add_eos
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -318,10 +348,11 @@ def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, 
     control = [tokens[i] for i in np.flatnonzero(types == _TOKEN_CONTROL)]
     named = {k.removesuffix("_id"): tokens[v] for k, v in _special_ids(meta).items()}
     extra = [t for t in control if t not in named.values()]
+    add_bos, add_eos = _encoding_flags(meta)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": False,
-        "add_eos_token": False,
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
         "model_max_length": config["max_position_embeddings"],
         "chat_template": meta.get("tokenizer.chat_template"),
@@ -329,18 +360,21 @@ def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, 
     }
     generation = {k: v for k, v in config.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     return {
-        "tokenizer.json": json.loads(_build_tokenizer(meta, _PRE_TOKENIZERS[pre]()).to_str()),
+        "tokenizer.json": json.loads(_build_tokenizer(meta, _PRE_TOKENIZERS[pre](), add_bos, add_eos).to_str()),
         "tokenizer_config.json": {k: v for k, v in tokenizer_config.items() if v is not None},
         "special_tokens_map.json": {**named, "additional_special_tokens": extra},
         "generation_config.json": generation,
     }
 
 
-def _build_tokenizer(meta: dict[str, Any], pre_tokenizer: pre_tokenizers.PreTokenizer) -> Tokenizer:
+def _build_tokenizer(
+    meta: dict[str, Any], pre_tokenizer: pre_tokenizers.PreTokenizer, add_bos: bool = False, add_eos: bool = False
+) -> Tokenizer:
     """A HF byte-level BPE tokenizer from `tokenizer.ggml.tokens` (id order) and `.merges` ("a b").
 
     Control tokens (type 3) become special added tokens, user-defined ones (type 4)
-    plain added tokens; both are matched verbatim before BPE.
+    plain added tokens; both are matched verbatim before BPE. With `add_bos` / `add_eos`,
+    an encoding with special tokens starts with BOS / ends with EOS.
     """
     tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
@@ -348,11 +382,33 @@ def _build_tokenizer(meta: dict[str, Any], pre_tokenizer: pre_tokenizers.PreToke
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.post_processor = _post_processor(meta, add_bos, add_eos)
     types = np.array(meta["tokenizer.ggml.token_type"])
     tok.add_special_tokens(_added_tokens(tokens, types, _TOKEN_CONTROL, special=True))
     tok.add_tokens(_added_tokens(tokens, types, _TOKEN_USER_DEFINED, special=False))
     return tok
+
+
+def _post_processor(meta: dict[str, Any], add_bos: bool, add_eos: bool) -> processors.PostProcessor:
+    """Byte-level offsets, plus BOS/EOS around each sequence when the GGUF asks for them."""
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    if not (add_bos or add_eos):
+        return byte_level
+    tokens = meta["tokenizer.ggml.tokens"]
+    specials = []
+    bos = eos = ""
+    if add_bos:
+        bos_id = _scalar(meta, "tokenizer.ggml.bos_token_id")
+        specials.append((tokens[bos_id], bos_id))
+        bos = f"{tokens[bos_id]}:0 "
+    if add_eos:
+        eos_id = _scalar(meta, "tokenizer.ggml.eos_token_id")
+        specials.append((tokens[eos_id], eos_id))
+        eos = f" {tokens[eos_id]}:0"
+    template = processors.TemplateProcessing(
+        single=f"{bos}$A:0{eos}", pair=f"{bos}$A:0{eos} {bos}$B:1{eos}", special_tokens=list(dict.fromkeys(specials))
+    )
+    return processors.Sequence([byte_level, template])
 
 
 def _added_tokens(tokens: list[str], types: np.ndarray, token_type: int, *, special: bool) -> list[AddedToken]:
