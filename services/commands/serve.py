@@ -149,6 +149,7 @@ def build_plan(args: argparse.Namespace, run_dir: Path):
         engines=engines,
         controller_address=ipc["controller_address"],
         client_address=gateway.address,
+        drain_timeout_s=gateway.drain_timeout_s,
     )
 
 
