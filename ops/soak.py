@@ -29,6 +29,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -207,6 +208,7 @@ class Tally:
     completed: int = 0
     wrong: list[str] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
+    messages: Counter = field(default_factory=Counter)  # (code, message with digits as N)
     hung: list[str] = field(default_factory=list)
     kinds: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -225,6 +227,7 @@ class Tally:
                         self.wrong.append(f"{record['kind']}: {record['wrong']}")
                 elif status == "error":
                     self.errors[record["code"]] += 1
+                    self.messages[f"{record['code']}: {re.sub(r'[0-9]+', 'N', record.get('message', ''))}"] += 1
                     if record["code"] in UNEXPECTED_CODES:
                         self.wrong.append(f"{record['kind']}: {record['code']}: {record.get('message')}")
                 else:
@@ -359,7 +362,8 @@ def run_soak(address: str, *, duration_s: float, clients: int, workers: int, eng
     return {
         "duration_s": round(time.monotonic() - started, 1), "clients": clients, "workers": workers,
         "issued": tally.issued, "completed": tally.completed, "wrong": len(tally.wrong),
-        "errors_by_code": dict(tally.errors), "hung": len(tally.hung),
+        "errors_by_code": dict(tally.errors), "error_messages": dict(tally.messages.most_common(12)),
+        "hung": len(tally.hung),
         "killed_in_flight": killed_in_flight, "unanswered": tally.issued - tally.ended - killed_in_flight,
         "engine_kills": kills["engine"], "client_kills": kills["client"], "engine_restarts": restarts,
         "unexpected_deaths": max(0, restarts - kills["engine"]) + len(dead), "leaks": leaks,

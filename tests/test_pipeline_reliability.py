@@ -272,7 +272,7 @@ def test_soak_and_fuzzer_short_forms(server):
     assert problems == {"wrong": 0, "hung": 0, "unanswered": 0, "unexpected_deaths": 0}, soak
     assert soak["leaks"] == {}, soak
     server.wait_ready()
-    fuzzed = run(fuzz(server.address, frames=300, seed=1, timeout_s=60))
+    fuzzed = run(fuzz(server.address, frames=300, seed=1, timeout_s=90))
     assert (fuzzed["hung"], fuzzed["problems"], fuzzed["health_after"]) == (0, {}, "ok"), fuzzed
     assert fuzzed["oversized"]["answered"] == 0
 

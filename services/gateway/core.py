@@ -39,9 +39,6 @@ from shared.protocol import (
     Heartbeat,
     Hello,
     Keepalive,
-    Lease,
-    LeaseClosed,
-    LeaseOpen,
     Message,
     PoolUsage,
     Release,
@@ -56,8 +53,9 @@ from shared.protocol import (
 )
 
 from .clients import ClientLimits, ClientTable
-from .control import Answer, ControlRelay, Send, ToClient, ToController, ToEngine, ToTokenizer
+from .control import ControlRelay, Send, ToClient, ToController, ToEngine, ToTokenizer
 from .counters import Counters
+from .desk import ControlDesk
 from .engines import EngineTable
 from .outcome import done_message, emit, session_outcome
 from .prompts import Prompt, Prompter, Turn
@@ -108,7 +106,7 @@ class GatewayCore:
         self._probed: dict[bytes, float] = {}  # session-holding connection -> last probe, monotonic s
         self._streams: dict[str, Stream] = {}
         self._by_client: dict[tuple[bytes, str], str] = {}
-        self._control = ControlRelay(self._prefix, control_timeout_s)
+        self.desk = ControlDesk(ControlRelay(self._prefix, control_timeout_s), self.clients, self.counters)
         self._out: list[Send] = []
 
     # ---- entry points -------------------------------------------------------------------
@@ -209,9 +207,7 @@ class GatewayCore:
         if check_engines:
             for lost in self.engines.expire(now):
                 self._engine_lost(lost.engine_id, lost.epoch, now, tell_controller=True)
-        for answer in self._control.expire(now):
-            self.counters.controller_timeouts += 1
-            self._answered(answer, None)
+        self._out += self.desk.expire(now)
         if now >= self._next_beat:
             self._next_beat = now + HEARTBEAT_S
             self._out.append(ToController(GatewayHeartbeat(gateway_id=self.gateway_id)))
@@ -437,9 +433,14 @@ class GatewayCore:
         if record is None:  # unknown, ended or someone else's: the same answer
             self._out.append(ToClient(identity, SessionClosed(id=msg.id, session_id=msg.session_id)))
             return
+        try:
+            self.desk.check(identity, msg)
+        except ButtermilkError as exc:
+            self._out.append(ToClient(identity, error_reply(exc, msg.id)))
+            return
         self._drop_session(record.session_id, Error(code=ErrorCode.CANCELLED, message="the session was closed"), now)
         internal = msg.model_copy(update={"session_id": record.session_id, "lease_id": None})
-        self._out.append(self._control.forward(identity, internal, now, session_id=msg.session_id))
+        self._out.append(self.desk.forward(identity, internal, now, session_id=msg.session_id))
 
     def _end(self, stream: Stream, terminal: Done | Error, now: float, *, turn: Turn | None = None) -> None:
         """Send the one terminal message, forget the stream, free its pool place."""
@@ -463,34 +464,16 @@ class GatewayCore:
     def _forward(self, identity: bytes, msg: Message, now: float) -> None:
         """Relay a lease verb or stats to the controller, within the connection's caps."""
         try:
-            self.clients.check_control(self._control.num_pending(identity))
-            if isinstance(msg, LeaseOpen):
-                self.clients.check_lease_open(identity)
+            self.desk.check(identity, msg)
         except ButtermilkError as exc:
             self._out.append(ToClient(identity, error_reply(exc, msg.id)))
             return
-        if isinstance(msg, LeaseOpen):
-            self.clients.lease_open_sent(identity)
-        self._out.append(self._control.forward(identity, msg, now))
+        self._out.append(self.desk.forward(identity, msg, now))
 
     def _control_reply(self, msg: Message) -> None:
         s = self.pool.stats()
         pool = PoolUsage(active=s.active, queued=s.queued, max_active=s.max_active, max_queue=s.max_queue)
-        reply = self._control.reply(msg, pool)
-        if isinstance(reply, Answer):
-            self._answered(reply, msg)
-        elif isinstance(reply, ToController):  # a lease opened after its client was answered `internal`
-            self.counters.late_leases_closed += 1
-            self._out.append(reply)
-        else:
-            self.counters.orphan_controller_replies += 1
-
-    def _answered(self, answer: Answer, msg: Message | None) -> None:
-        if answer.pending.kind.value == "lease_open":
-            self.clients.lease_open_answered(answer.pending.identity, msg.lease_id if isinstance(msg, Lease) else None)
-        elif isinstance(msg, LeaseClosed):
-            self.clients.lease_ended(msg.lease_id)
-        self._out.append(answer.send)
+        self._out += self.desk.reply(msg, pool)
 
     def _flush(self, now: float) -> list[Send]:
         out, self._out = self._out, []
