@@ -44,11 +44,12 @@ def test_a_history_shorter_than_claimed_is_refused_and_the_session_closed(tiny_l
         core.add_request(Request("t3", second, SamplingParams(), session_id="gone", session_tokens=4))
 
 
-def test_a_wrapped_window_that_cannot_be_cut_refuses_the_turn_and_closes_the_session(tiny_llama):
-    core, *_, second, turn = two_turns(tiny_llama, 3, window=Window(8, 2))
-    with pytest.raises(BadRequest, match="cannot be cut back"):
-        core.add_request(turn)
-    assert core.stats().sessions == {} and core.stats().used_slots == 0
+@pytest.mark.parametrize("kept", [7, 3], ids=["tail-cut", "kv-cut"])
+def test_a_wrapped_window_is_cut_by_computing_the_conversation_again(tiny_llama, kept):
+    window = Window(8, 2)  # 11 + 8 tokens have wrapped it: an exact K/V cut is impossible
+    core, options, first, said, second, turn = two_turns(tiny_llama, kept, window=window)
+    result = drive(core, {0: [turn]})["t2"]
+    assert result["tokens"] == greedy(tiny_llama, options, first + said[:kept] + second, 6)
 
 
 # ---- the engine service without sockets ---------------------------------------------------

@@ -106,8 +106,8 @@ class Scheduler:
         (the client's view of it); the cut stays even if the request is then refused.
 
         Raises:
-            BadRequest: duplicate id, empty prompt, its session has a turn in progress, or its
-                history cannot be cut to `session_tokens` (the session is then closed).
+            BadRequest: duplicate id, empty prompt, its session has a turn in progress, or it
+                holds fewer than `session_tokens` (the session is then closed).
             ContextOverflow: history plus prompt leave no room for one generated token.
             CapacityExhausted: the prompt does not fit the cache's free space now.
         """
@@ -296,28 +296,23 @@ class Scheduler:
     # -- sessions --------------------------------------------------------------------
 
     def _cut_history(self, session_id: str, session: Session | None, num_tokens: int) -> None:
-        """Forget the session's history beyond `num_tokens` (pending tail first, then K/V).
+        """Forget the session's history beyond `num_tokens`: its tokens, and K/V past them.
+
+        As in `_keep_history`, a K/V cut that cannot be exact for a windowed layer resets the
+        slot, and the turn computes the whole (cut) conversation again.
 
         Raises:
-            BadRequest: no such session, fewer tokens held, or a K/V cut the cache refuses
-                (a wrapped sliding window); the session is closed then.
+            BadRequest: no such session, or it holds fewer tokens (the session is closed then).
         """
-        cached = session.slot.num_tokens if session is not None and session.slot is not None else 0
-        held = cached + (len(session.tail_token_ids) if session is not None else 0)
+        held = len(session.token_ids) if session is not None else 0
         if session is None or num_tokens > held:
             if session is not None:
                 self._drop_session(session_id)
             raise BadRequest(f"session {session_id!r} holds {held} tokens here, not {num_tokens}; start it again")
-        if num_tokens >= cached:
-            session.tail_token_ids = session.tail_token_ids[: num_tokens - cached]
-            return
-        try:
-            self.slots.truncate(session.slot, num_tokens)
-        except ValueError as exc:
-            self._drop_session(session_id)
-            raise BadRequest(f"session {session_id!r} cannot be cut back to {num_tokens} tokens ({exc}); "
-                             "start it again") from None  # fmt: skip
-        session.tail_token_ids = []
+        session.token_ids = session.token_ids[:num_tokens]
+        if session.slot is not None and session.slot.num_tokens > num_tokens:
+            exact = self.slots.can_truncate(session.slot, num_tokens)
+            self.slots.truncate(session.slot, num_tokens if exact else 0)
 
     def close_session(self, session_id: str) -> tuple[int, Request | None]:
         """Free a session's slot, or mark it to be freed when its turn in progress ends.
