@@ -128,6 +128,7 @@ class Heartbeat(WireMessage):
     bytes_used: Count = 0
     used_slots: Count = 0  # slots held, sessions between turns included
     num_sessions: Count = 0  # sessions kept between turns
+    capacity_tokens: Count = 0  # KV token slots of its cache (0: not reported)
 
 
 class Reserve(WireMessage):

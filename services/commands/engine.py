@@ -26,6 +26,9 @@ class EngineSettings(ModelSettings):
     epoch: int | None = Field(None, ge=0, description="restart count (default: wall-clock seconds, rising across restarts)")
     device: str = Field("cpu", description="cpu or gpu:N")
     capacity_tokens: int = Field(32768, ge=16, description="KV tokens the engine's cache holds, all slots together")
+    kv_memory_gib: float | None = Field(None, gt=0, description="size the KV pool to this many GiB instead of --capacity-tokens")
+    kv_memory_fraction: float | None = Field(None, gt=0, le=1, description="size the KV pool to this share of the device's memory instead of --capacity-tokens")
+    status_interval_s: float = Field(10.0, ge=0, description="seconds between status log lines (0: none)")
     max_slots: int = Field(16, ge=1, description="sequences held at once (sessions included)")
     step_token_budget: int = Field(512, ge=1, description="tokens computed per step (prefill chunks and decodes)")
     page_size: int = Field(16, ge=1, description="tokens per KV page")
@@ -73,10 +76,11 @@ def build_service(settings: EngineSettings):
 
     loaded, options = open_model(settings)
     core = EngineCore(
-        loaded, options, capacity_tokens=settings.capacity_tokens, max_slots=settings.max_slots,
+        loaded, options, capacity_tokens=pool_capacity(settings, loaded, options), max_slots=settings.max_slots,
         step_token_budget=settings.step_token_budget, page_size=settings.page_size,
     )  # fmt: skip
     geo = core.geometry
+    log_pool(settings.engine_id, geo)
     # Admission counts tokens; the cache allocates pages, so each slot may waste a partial page.
     slack = geo["max_slots"] * (geo["page_size"] - 1)
     geometry = Geometry(
@@ -92,7 +96,48 @@ def build_service(settings: EngineSettings):
         controller=settings.controller_address,
     )  # fmt: skip
     return EngineService(core, hello, addresses, wait_timeout_s=settings.wait_timeout_s,
-                         drain_timeout_s=settings.drain_timeout_s)  # fmt: skip
+                         drain_timeout_s=settings.drain_timeout_s,
+                         status_interval_s=settings.status_interval_s)  # fmt: skip
+
+
+def pool_capacity(settings: EngineSettings, loaded, options) -> int:
+    """KV token slots to allocate: `--capacity-tokens`, or what a KV memory budget holds.
+
+    A budget (`--kv-memory-gib` or `--kv-memory-fraction` of the device's memory) is divided
+    by the scheme's bytes per token, from the scheme registry (`services/engine/sizing.py`),
+    in whole pages: the figure `buttermilk pool-size` predicts.
+
+    Raises:
+        BadRequest: both a budget and `--capacity-tokens`, both budgets, or a budget that
+            holds no page.
+    """
+    from services.engine import sizing
+
+    if settings.kv_memory_gib is None and settings.kv_memory_fraction is None:
+        return settings.capacity_tokens
+    if "capacity_tokens" in settings.model_fields_set:
+        raise BadRequest("give --capacity-tokens or a KV memory budget (--kv-memory-gib, --kv-memory-fraction), not both")
+    try:
+        budget = sizing.budget_bytes(memory_gib=settings.kv_memory_gib, memory_fraction=settings.kv_memory_fraction)
+        geometry = sizing.KVGeometry.from_config(loaded.config, loaded.dtype)
+        per_token = sizing.bytes_per_token(options.scheme, geometry, raw_layers=options.raw_layers)
+        return sizing.capacity_tokens(budget, per_token, page_size=settings.page_size)
+    except ValueError as exc:
+        raise BadRequest(f"KV memory budget: {exc}") from None
+
+
+def log_pool(engine_id: str, geo: dict) -> None:
+    """Log the pool's size and vLLM's "maximum concurrency" line at the context cap."""
+    from services.engine.sizing import GIB, concurrency_line, max_concurrency
+    from shared.logging import get_logger
+
+    capacity, context = geo["capacity_tokens"], geo["max_context"]
+    concurrency = max_concurrency(capacity, context, page_size=geo["page_size"], window=geo.get("window_tokens"))
+    get_logger("engine", engine_id=engine_id).info(
+        "kv_pool", kv_cache=geo["kv_cache"], bytes_per_token=geo["bytes_per_token"], capacity_tokens=capacity,
+        kv_gib=round(capacity * geo["bytes_per_token"] / GIB, 3), max_slots=geo["max_slots"],
+        message=f"KV cache size: {capacity:,} tokens; {concurrency_line(context, concurrency)}",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

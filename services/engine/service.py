@@ -52,6 +52,7 @@ from shared.protocol import (
 from .core import EngineCore, RequestOutput
 from .request import Request, RequestStatus
 from .sampling import SamplingParams
+from .status import StatusMeter
 
 HEARTBEAT_S = 0.5  # heartbeat period; receivers declare death after several missed beats
 HELLO_EVERY_S = 5.0  # HELLO is repeated so a restarted gateway or controller learns us again
@@ -82,7 +83,9 @@ class Snapshot:
     """What heartbeats report; replaced whole by the main thread, read by the socket thread."""
 
     num_running: int = 0
+    num_waiting: int = 0
     tokens_used: int = 0
+    capacity_tokens: int = 0
     bytes_used: int = 0
     used_slots: int = 0
     num_sessions: int = 0
@@ -177,8 +180,8 @@ class EngineIO(threading.Thread):
         s = self.snapshot
         return Heartbeat(
             engine_id=self.hello.engine_id, epoch=self.hello.epoch, num_running=s.num_running,
-            tokens_used=s.tokens_used, bytes_used=s.bytes_used, used_slots=s.used_slots,
-            num_sessions=s.num_sessions,
+            num_waiting=s.num_waiting, tokens_used=s.tokens_used, bytes_used=s.bytes_used,
+            used_slots=s.used_slots, num_sessions=s.num_sessions, capacity_tokens=s.capacity_tokens,
         )  # fmt: skip
 
 
@@ -204,14 +207,16 @@ class EngineService:
         addresses (EngineAddresses): where the gateway and controller listen.
         wait_timeout_s (float): longest wait of an accepted request for a slot, seconds.
         drain_timeout_s (float): on `stop()`, how long running requests may finish, seconds.
+        status_interval_s (float): seconds between status log lines (0: none). Default: 10.
     """
 
     def __init__(
         self, core: EngineCore, hello: Hello, addresses: EngineAddresses, *,
-        wait_timeout_s: float = 60.0, drain_timeout_s: float = 5.0,
+        wait_timeout_s: float = 60.0, drain_timeout_s: float = 5.0, status_interval_s: float = 10.0,
     ):  # fmt: skip
         self.core, self.hello, self.addresses = core, hello, addresses
         self.wait_timeout_s, self.drain_timeout_s = wait_timeout_s, drain_timeout_s
+        self.meter = StatusMeter(status_interval_s, time.monotonic())
         self.inbox: queue.Queue = queue.Queue()
         self.running: dict[str, Running] = {}
         self.log = get_logger("engine", engine_id=hello.engine_id, epoch=hello.epoch)
@@ -268,10 +273,13 @@ class EngineService:
             if self.core.has_unfinished() or self._needs_fence:
                 # An idle step passes the cache's fence, so a closed session's pages return now.
                 self._needs_fence = False
-                self._publish(self.core.step(), out, relay)
+                outputs = self.core.step()
+                self.meter.record(outputs)
+                self._publish(outputs, out, relay)
             if time.monotonic() >= self._next_snapshot:
                 io.snapshot = self._snapshot()
                 self._next_snapshot = time.monotonic() + SNAPSHOT_EVERY_S
+                self._log_status(io.snapshot)
 
     def _drain(self, out: zmq.Socket, *, block: bool) -> Stop | None:
         """Apply every queued message (waiting briefly for one when idle)."""
@@ -390,9 +398,20 @@ class EngineService:
         stats = self.core.stats()
         used = stats.capacity_tokens - stats.free_tokens
         return Snapshot(
-            num_running=len(self.running), tokens_used=used, bytes_used=used * stats.bytes_per_token,
+            num_running=len(self.running), num_waiting=len(self.core.scheduler.waiting), tokens_used=used,
+            capacity_tokens=stats.capacity_tokens, bytes_used=used * stats.bytes_per_token,
             used_slots=stats.used_slots, num_sessions=len(stats.sessions),
         )  # fmt: skip
+
+    def _log_status(self, s: Snapshot) -> None:
+        now = time.monotonic()
+        if not self.meter.is_due(now):
+            return
+        line = self.meter.line(now, num_running=s.num_running - s.num_waiting, num_waiting=s.num_waiting,
+                               kv_usage=s.tokens_used / s.capacity_tokens)  # fmt: skip
+        if line is not None:
+            self.log.info("engine_status", message=line.message, kv_usage=round(line.kv_usage, 4),
+                          num_running=line.num_running, num_waiting=line.num_waiting)  # fmt: skip
 
 
 def _sampling(msg: EngineGenerate) -> SamplingParams:
