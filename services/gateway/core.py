@@ -58,6 +58,7 @@ from .counters import Counters
 from .desk import ControlDesk
 from .engines import EngineTable
 from .outcome import done_message, emit, session_outcome
+from .observer import NullObserver, StreamObserver
 from .prompts import Prompt, Prompter, Turn
 from .session_table import SessionTable, session_owner
 from .sessions import Admitted, GenerationSessionPool
@@ -80,6 +81,7 @@ class GatewayCore:
             control request or a reservation, seconds.
         limits (ClientLimits): per-connection caps (sessions, leases, control requests, requests
             in flight); the pool holds the caps on running and queued requests.
+        observer (StreamObserver | None): told every request and engine fact (metrics).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class GatewayCore:
         *,
         control_timeout_s: float = 5.0,
         limits: ClientLimits | None = None,
+        observer: StreamObserver | None = None,
     ):
         self.prompter = prompter
         self.pool = pool
@@ -99,6 +102,7 @@ class GatewayCore:
         self.sessions = SessionTable(self._prefix)
         self.clients = ClientTable(limits or ClientLimits())
         self.counters = Counters()
+        self.observer = observer or NullObserver()
         self.control_timeout_s = control_timeout_s
         self.draining = False
         self._next_id = 0
@@ -175,6 +179,7 @@ class GatewayCore:
 
     def on_engine_cmd(self, identity: bytes, msg: Hello | Heartbeat, now: float) -> list[Send]:
         """Handle an engine's HELLO or heartbeat."""
+        self.observer.engine_message(msg, now)
         if isinstance(msg, Hello):
             replaced = self.engines.register(msg, identity, now)
             if replaced is not None:
@@ -187,7 +192,7 @@ class GatewayCore:
         """Handle an engine's token batch or a request's end."""
         if isinstance(msg, EngineTokens):
             for chunk in msg.chunks:
-                self._tokens(msg.engine_id, msg.epoch, chunk.id, chunk.token_ids)
+                self._tokens(msg.engine_id, msg.epoch, chunk.id, chunk.token_ids, now)
         else:
             self._finished(msg, now)
         return self._flush(now)
@@ -245,6 +250,7 @@ class GatewayCore:
     # ---- generate -----------------------------------------------------------------------
 
     def _generate(self, identity: bytes, msg: Generate, now: float) -> None:
+        self.observer.received(now)
         owner = session_owner(identity, msg.lease_id)
         try:
             if self.draining:
@@ -258,6 +264,7 @@ class GatewayCore:
                 if msg.new_session:
                     self.clients.check_sessions(self.sessions.num_started_by(identity))
         except ButtermilkError as exc:
+            self.observer.refused(exc.code.value, now)
             self._out.append(ToClient(identity, error_reply(exc, msg.id)))
             return
         record = None
@@ -268,7 +275,7 @@ class GatewayCore:
         stream = Stream(
             request_id=f"{self._prefix}-{self._next_id}", client=identity, client_id=msg.id, stream=msg.stream,
             lease_id=msg.lease_id, session_id=record.session_id if record else None,
-            new_session=msg.new_session, session_tokens=turn.context_tokens if turn else None,
+            new_session=msg.new_session, session_tokens=turn.context_tokens if turn else None, arrived_at=now,
         )  # fmt: skip
         self._streams[stream.request_id] = stream
         self._by_client[(identity, msg.id)] = stream.request_id
@@ -294,6 +301,7 @@ class GatewayCore:
             self._reserve(stream, now)
 
     def _reserve(self, stream: Stream, now: float) -> None:
+        self.observer.started(stream, now)
         stream.phase, stream.deadline = Phase.RESERVING, now + self.control_timeout_s
         new_session = stream.new_session if stream.session_id is not None else None
         self._out.append(ToController(Reserve(
@@ -338,13 +346,14 @@ class GatewayCore:
 
     # ---- engine output ------------------------------------------------------------------
 
-    def _tokens(self, engine_id: str, epoch: int, request_id: str, token_ids: list[int]) -> None:
+    def _tokens(self, engine_id: str, epoch: int, request_id: str, token_ids: list[int], now: float) -> None:
         stream = self._streams.get(request_id)
         if stream is None or not stream.on_engine(engine_id, epoch):
             self.counters.orphan_engine_messages += 1
             return
         if stream.text.closed:
             return
+        self.observer.tokens(stream, len(token_ids), now)
         index = stream.text.num_sent
         delta = stream.text.feed(token_ids)
         self._out.extend(emit(stream, delta.text, delta.token_ids, index))
@@ -388,6 +397,7 @@ class GatewayCore:
             self._out.append(ToEngine(engine.identity, EngineAbort(ids=[stream.request_id])))
 
     def _revoked(self, msg: Revoked, now: float) -> None:
+        self.observer.revoked(msg)
         error = _revoke_error(msg)
         for request_id in msg.request_ids:
             if request_id in self._streams:
@@ -449,6 +459,7 @@ class GatewayCore:
             self.counters.ended(terminal.code.value)
         else:
             self.counters.ended(terminal.finish_reason.value)
+        self.observer.ended(stream, terminal, now)
         if not stream.client_gone:
             self._out.append(ToClient(stream.client, terminal))
         del self._streams[stream.request_id]

@@ -108,6 +108,7 @@ class Stream:
     client_gone: bool = False  # the connection closed: send it nothing more
     held_text: list[str] = field(default_factory=list)  # text kept back when not streaming
     held_ids: list[int] = field(default_factory=list)
+    arrived_at: float = 0.0  # monotonic seconds the generate reached the core
 
     def prepared(self, token_ids: list[int], context_tokens: int, sampling: SamplingParams, text: TextStream) -> None:
         """Set the input once tokenized; the stream then waits for a pool place."""
