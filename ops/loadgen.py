@@ -133,7 +133,7 @@ def start_server(model: str, engines: int, extra: list[str]) -> tuple[subprocess
         sock.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
     argv = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--address", address,
-            "--engines", str(engines), *extra]  # fmt: skip
+            "--engines", str(engines), "--http-address", "off", *extra]  # fmt: skip
     proc = subprocess.Popen(argv, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

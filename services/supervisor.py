@@ -65,6 +65,7 @@ class SupervisorPlan:
     controller_address: str  # to send `engine_dead`
     client_address: str  # to probe health until ready
     drain_timeout_s: float = 5.0  # the gateway's drain grace at shutdown, seconds
+    http_address: str | None = None  # HOST:PORT of the gateway's HTTP API, for the ready line
 
 
 class Supervisor:
@@ -204,8 +205,10 @@ class Supervisor:
                 return False  # someone else answered (our gateway is gone): not ready
             self.log.info("ready", address=self.plan.client_address, engines=reply.engines_live)
             noun = "engine" if reply.engines_live == 1 else "engines"
+            http = self.plan.http_address
+            api = f"; OpenAI API on http://{http}/v1" if http and not http.endswith(":0") else ""
             print(f"buttermilk: serving on {self.plan.client_address} "
-                  f"({reply.engines_live} {noun})", file=sys.stderr, flush=True)  # fmt: skip
+                  f"({reply.engines_live} {noun}){api}", file=sys.stderr, flush=True)  # fmt: skip
             return True
         return False
 

@@ -237,7 +237,7 @@ def test_unusable_model_fails_fast_with_a_clear_message(tmp_path):
 
 def test_engine_config_error_stops_serve_without_orphans(tmp_path):
     argv = [sys.executable, "-m", "services.cli", "serve", "--model", "default", "--address",
-            f"ipc://{tmp_path}/c", "--max-context", "100000"]  # fmt: skip
+            f"ipc://{tmp_path}/c", "--max-context", "100000", "--http-address", "off"]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen: set[int] = set()
     deadline = time.monotonic() + 120

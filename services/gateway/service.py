@@ -16,6 +16,8 @@ connection fail (`ZMQ_ROUTER_MANDATORY`), which cancels its work (`core.on_clien
 `stop()` drains: new work is refused, running requests get `drain_timeout_s` to finish, the
 rest end with `unavailable`, and every terminal message is flushed before the sockets close.
 `GatewayResources.close()` is the single, idempotent cleanup path.
+In-process clients (the HTTP adapter, `services/http`) hand messages in through `submit` and
+get the core's replies in their `LocalClients` mailbox instead of a socket.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from shared.protocol import (
     Done,
     Error,
     Hello,
+    Message,
     ProtocolError,
     decode,
     encode,
@@ -48,6 +51,7 @@ from shared.protocol import (
 
 from .control import Send, ToClient, ToController, ToEngine, ToTokenizer
 from .core import GatewayCore
+from .local import LocalClients
 
 TICK_S = 0.1  # timer period: queue timeouts, engine liveness, control deadlines, keepalives
 STALL_S = 0.5  # a tick this late means the loop was stalled: skip engine liveness once
@@ -116,6 +120,7 @@ class GatewayService:
         self.log = get_logger("gateway")
         self.res: GatewayResources | None = None
         self.num_dropped = 0  # client messages dropped: the connection was not reading
+        self.local = LocalClients()
         self._stopping = asyncio.Event()
         self._jobs: set[asyncio.Task] = set()
 
@@ -151,6 +156,14 @@ class GatewayService:
         left = self.core.num_streams
         await self._send(self.core.end_all(time.monotonic()))
         self.log.info("drained", cut_short=left)
+
+    @property
+    def is_serving(self) -> bool:
+        return self.res is not None and not self.res.closed
+
+    async def submit(self, identity: bytes, msg: Message) -> None:
+        """Hand an in-process client's message to the core, as `_client_loop` does for frames."""
+        await self._send(self._guarded(self.core.on_client, identity, msg, time.monotonic()))
 
     # ---- receive loops ------------------------------------------------------------------
 
@@ -236,6 +249,11 @@ class GatewayService:
     async def _send(self, sends: list[Send]) -> None:
         gone: list[bytes] = []
         for send in sends:
+            if isinstance(send, ToClient) and self.local.owns(send.identity):
+                if isinstance(send.msg, (Done, Error)):
+                    self._log_terminal(send.msg)
+                self.local.deliver(send.identity, send.msg)
+                continue
             match send:
                 case ToClient(identity=identity, msg=msg):
                     if isinstance(msg, (Done, Error)):
