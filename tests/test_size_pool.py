@@ -110,7 +110,9 @@ def test_engine_allocates_the_predicted_capacity(default_model, predictions, sch
     core = EngineCore(default_model, options, capacity_tokens=pool_capacity(settings, default_model, options),
                       max_slots=4, step_token_budget=64)  # fmt: skip
     assert core.geometry["capacity_tokens"] == predicted["capacity_tokens"]
-    assert core.cache.bytes_per_token == predicted["bytes_per_token"]  # from the arrays it allocated
+    assert core.cache.bytes_per_token == predicted["bytes_per_token"]
+    allocated = sum(a.nbytes for a in core.cache.arrays)  # the page pools' arrays, measured
+    assert allocated == predicted["capacity_tokens"] * predicted["bytes_per_token"]
     assert predicted["capacity_tokens"] * predicted["bytes_per_token"] <= 0.05 * 2**30
 
 
@@ -121,10 +123,13 @@ def test_predicted_bytes_match_measured_nbytes(default_model, scheme):
     caches = make_layer_caches(default_model.model, CacheOptions(scheme=scheme, max_context=256))
     tokens = mx.array([list(range(1000, 1000 + num_tokens))], dtype=mx.int32)
     mx.eval(default_model.model(tokens, cache=caches))
-    measured = sum(c.nbytes for c in caches)
     geometry = sizing.KVGeometry.from_config(default_model.config, default_model.dtype)
     predicted = num_tokens * sizing.bytes_per_token(scheme, geometry)
+    reported = sum(c.nbytes for c in caches)
+    # The arrays allocated (whole pages per sequence), scaled to the tokens held.
+    measured = sum(c.capacity_nbytes * c.num_live / c.capacity for c in caches)
     assert math.isclose(measured, predicted, rel_tol=0.01), (measured, predicted)
+    assert math.isclose(reported, predicted, rel_tol=0.01), (reported, predicted)
 
 
 @pytest.mark.model
