@@ -37,6 +37,7 @@ KV_MEMORY_GIB = "0.2"
 FLAGS = ("--kv-memory-gib", KV_MEMORY_GIB, "--max-slots", "8", "--step-token-budget", "256", "--max-context", "256")
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
+STORY = "Once upon a time, in a small village,"  # greedy, runs long without an end-of-sequence token
 MAX_TOKENS = 8
 LONG = 200  # tokens of a request meant to be interrupted
 
@@ -92,10 +93,11 @@ def usage_of(u) -> tuple[int, int, int]:
     return u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens
 
 
-def raw_post(server, path: str, body: dict) -> http.client.HTTPResponse:
+def raw_post(server, path: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """POST `body` as JSON; the caller closes the connection (that is what closes the socket)."""
     conn = http.client.HTTPConnection(server.http_url.removeprefix("http://"), timeout=60)
     conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
-    return conn.getresponse()
+    return conn, conn.getresponse()
 
 
 def test_models_health_and_ready(server, api):
@@ -159,10 +161,11 @@ def ref_token_ids(server) -> list[int]:
 
 
 def test_stream_wire_format(server):
-    resp = raw_post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4,
-                                                     "stream": True, "stream_options": {"include_usage": True}})
+    conn, resp = raw_post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4,
+                                                           "stream": True, "stream_options": {"include_usage": True}})
     assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
     events = resp.read().decode().split("\n\n")
+    conn.close()
     assert events[-1] == "" and events[-2] == "data: [DONE]"
     payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
     assert all(e.startswith("data: {") for e in events[:-2])
@@ -214,7 +217,7 @@ def test_bad_requests_are_400_and_unknown_models_404(server, api):
 async def occupy(server, num: int):
     """Start `num` long ZeroMQ streams; returns (client, streams) once the pool shows them."""
     client = AsyncClient(server.address)
-    streams = [await client.stream(prompt=PROMPT, max_tokens=LONG, temperature=0.0) for _ in range(num)]
+    streams = [await client.stream(prompt=STORY, max_tokens=LONG, temperature=0.0) for _ in range(num)]
     deadline = time.monotonic() + 30
     while (pool := (await client.stats()).pool).active + pool.queued < num:
         assert time.monotonic() < deadline, "the pool never showed the streams"
@@ -254,11 +257,12 @@ def gauges_at_baseline(samples: dict) -> bool:
 def test_disconnect_mid_stream_returns_every_counter_to_baseline(server):
     before = scrape(server)
     assert gauges_at_baseline(before)
-    resp = raw_post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": LONG,
-                                                     "temperature": 0, "stream": True})  # fmt: skip
-    for _ in range(3):  # the role chunk and two tokens
+    conn, resp = raw_post(server, "/v1/completions", {"model": MODEL, "prompt": STORY, "max_tokens": LONG,
+                                                      "temperature": 0, "stream": True})  # fmt: skip
+    for _ in range(2):  # two text chunks
         assert resp.readline().startswith(b"data: {") and resp.readline() == b"\n"
     resp.close()
+    conn.close()  # the client goes away mid-stream
     stats = run(wait_idle(server.address, timeout_s=30))
     assert stats.engines[0].engine_tokens == 0 and stats.engines[0].used_slots == 0
     wait_until(lambda: gauges_at_baseline(scrape(server)), 10, "the gauges to return to baseline")
@@ -381,7 +385,7 @@ def test_engine_failure_is_503_then_the_engine_comes_back(server, api):
 
     def call() -> None:
         try:
-            api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=LONG, temperature=0)
+            api.completions.create(model=MODEL, prompt=STORY, max_tokens=LONG, temperature=0)
         except openai.APIStatusError as exc:
             result["error"] = exc
 
