@@ -11,7 +11,7 @@ import pytest
 from services.commands.engine import EngineSettings, pool_capacity
 from services.commands.pool_size import TokenCounts
 from services.engine import sizing
-from services.engine.cache import CacheOptions, make_layer_caches
+from services.engine.cache import CacheOptions, make_layer_caches, schemes
 from services.engine.cache.schemes import SCHEMES
 from services.engine.runtime import cache_options
 from shared.errors import BadRequest
@@ -111,6 +111,7 @@ def test_engine_allocates_the_predicted_capacity(default_model, predictions, sch
                       max_slots=4, step_token_budget=64)  # fmt: skip
     assert core.geometry["capacity_tokens"] == predicted["capacity_tokens"]
     assert core.cache.bytes_per_token == predicted["bytes_per_token"]
+    assert schemes.bytes_per_token(scheme, model=default_model.model) == predicted["bytes_per_token"]
     allocated = sum(a.nbytes for a in core.cache.arrays)  # the page pools' arrays, measured
     assert allocated == predicted["capacity_tokens"] * predicted["bytes_per_token"]
     assert predicted["capacity_tokens"] * predicted["bytes_per_token"] <= 0.05 * 2**30

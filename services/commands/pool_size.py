@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-layers", type=int, help="geometry without a model: layers (with --n-kv-heads, --head-dim)")
     parser.add_argument("--n-kv-heads", type=int)
     parser.add_argument("--head-dim", type=int)
-    parser.add_argument("--device", default="cpu", help="cpu or gpu: decides `auto` dtype and the device memory (default cpu)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"],
+                        help="decides the `auto` dtype and the device memory (auto: gpu if there is one, as serve)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                         help="model dtype, which raw K/V use (auto: float32 on cpu, float16 on gpu)")
     parser.add_argument("--schemes", help="comma-separated --kv-cache values (default: every named scheme)")
@@ -84,21 +85,27 @@ def build_report(args: argparse.Namespace, *, schemes: list[str]) -> dict:
     Raises:
         ValueError: a bad budget, scheme, geometry or token count (a one-line message).
     """
+    import mlx.core as mx
+
     from services.engine import sizing
 
+    if args.device == "auto":
+        args.device = "gpu" if mx.is_available(mx.gpu) else "cpu"
     geometry, context = _geometry(args)
     memory = sizing.budget_bytes(memory_gib=args.memory_gib, memory_fraction=args.memory_fraction,
                                  device_memory=_device_memory(args) if args.memory_fraction else None)  # fmt: skip
     prompt, output = TokenCounts.parse(args.prompt_tokens), TokenCounts.parse(args.output_tokens)
-    lengths = {"context": context, "mean": max(1, round(prompt.mean + output.mean)),
-               "worst": max(1, min(context, prompt.max + output.max))}  # fmt: skip
+    lengths = {"context": context}
+    if prompt.max + output.max > 0:  # a workload was given
+        lengths |= {"mean": max(1, round(prompt.mean + output.mean)), "worst": min(context, prompt.max + output.max)}
+    worst = lengths.get("worst", context)
     raw_layers = frozenset(int(x) for x in args.kv_raw_layers.split(",") if x.strip())
     page, window = args.page_size, args.window
     rows = []
     for scheme in schemes:
         per_token = sizing.bytes_per_token(scheme, geometry, raw_layers=raw_layers)
         capacity = sizing.capacity_tokens(memory, per_token, page_size=page)
-        worst_slots = sizing.tokens_per_request(lengths["worst"], page_size=page, window=window)
+        worst_slots = sizing.tokens_per_request(worst, page_size=page, window=window)
         rows.append({
             "scheme": scheme, "bytes_per_token": per_token, "capacity_tokens": capacity,
             "kv_bytes": capacity * per_token,
@@ -127,16 +134,16 @@ def render(report: dict) -> str:
         f"KV pool: {report['memory_bytes'] / GIB:.2f} GiB; {g['n_layers']} layers x {g['n_kv_heads']} KV heads x "
         f"head_dim {g['head_dim']}, {g['dtype']}; pages of {report['page_size']} tokens"
         + (f"; window {report['window']} tokens" if report["window"] else ""),
-        f"workload: {lengths['mean']} tokens per request on average, {lengths['worst']} at most, "
+        f"workload: {lengths.get('mean', '-')} tokens per request on average, {lengths.get('worst', '-')} at most, "
         f"concurrency {w['concurrency']}",
         "",
         f"{'scheme':<20}{'bytes/token':>12}{'capacity (tokens)':>19}{'KV GiB':>8}"
         f"{'conc@' + str(lengths['context']):>12}{'conc@mean':>11}{'conc@worst':>12}{'fits':>6}",
     ]
     for r in report["rows"]:
-        c = r["max_concurrency"]
+        c = {name: f"{x:.2f}x" for name, x in r["max_concurrency"].items()}
         lines.append(f"{r['scheme']:<20}{r['bytes_per_token']:>12,}{r['capacity_tokens']:>19,}{r['kv_bytes'] / GIB:>8.2f}"
-                     f"{c['context']:>11.2f}x{c['mean']:>10.2f}x{c['worst']:>11.2f}x"
+                     f"{c['context']:>12}{c.get('mean', '-'):>11}{c.get('worst', '-'):>12}"
                      f"{'yes' if r['fits_concurrency'] else 'NO':>6}")  # fmt: skip
     lines.append("")
     for r in report["rows"]:
