@@ -17,6 +17,7 @@ from services.gateway.prompts import Prompter
 from services.gateway.sessions import GenerationSessionPool
 from shared import protocol as p
 from shared.errors import ErrorCode
+from tests.gateway_helpers import drive
 
 ENGINE = b"e0:0"
 GEOMETRY = p.Geometry(slots=4, capacity_tokens=1000, bytes_per_token=10, kv_cache="raw", max_context=64)
@@ -47,7 +48,7 @@ def value(metrics: GatewayMetrics, name: str, **labels) -> float:
 
 def submit(core, client_id, now, **fields):
     """Send a generate; grant a reservation it asks for; returns the engine request id, if any."""
-    sends = core.on_client(b"c", p.Generate(id=client_id, **{"prompt": "Hello", **fields}), now)
+    sends = drive(core, core.on_client(b"c", p.Generate(id=client_id, **{"prompt": "Hello", **fields}), now), now)
     return grant(core, sends, now)
 
 
@@ -74,7 +75,7 @@ def test_request_counters_and_latencies_follow_the_timeline(gateway):
     r1 = submit(core, "a", 0.0)  # admitted at once (queue time 0)
     assert submit(core, "b", 0.5) is None  # queued behind a
     assert submit(core, "c", 0.6) is None  # queue full (max_queue 1): refused, no stream
-    core.on_client(b"c", p.Generate(id="d", prompt="word " * 80), 0.7)  # over the 64-token context
+    drive(core, core.on_client(b"c", p.Generate(id="d", prompt="word " * 80), 0.7), 0.7)  # over the 64-token context
     tokens(core, r1, [1000], 1.0)  # first token: TTFT 1.0
     tokens(core, r1, [1001], 1.5)  # ITL 0.5
     tokens(core, r1, [1002, 1003], 2.5)  # two tokens in 1.0 s: ITL 0.5 twice

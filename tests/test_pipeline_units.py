@@ -11,13 +11,14 @@ import pytest
 from services.controller.ledger import Ledger
 from services.controller.service import ControllerCore
 from services.gateway.clients import ClientLimits
-from services.gateway.control import ToClient, ToController, ToEngine, ToTokenizer
+from services.gateway.control import ToClient, ToController, ToEngine
 from services.gateway.core import GatewayCore
 from services.gateway.engines import EngineTable
 from services.gateway.prompts import Prompter, chat_continuation
 from services.gateway.sessions import GenerationSessionPool
 from shared import protocol as p
-from shared.errors import ButtermilkError, ErrorCode
+from shared.errors import ErrorCode
+from tests.gateway_helpers import drive
 
 CLIENT, ENGINE = b"client-1", b"e0:0"
 GEOMETRY = p.Geometry(slots=4, capacity_tokens=1000, bytes_per_token=10, kv_cache="raw", max_context=256)
@@ -43,21 +44,6 @@ def core(tokenizer):
 
 def msgs(sends, kind):
     return [s.msg for s in sends if isinstance(s, kind)]
-
-
-def drive(core, sends, now=0.0):
-    """Run `ToTokenizer` jobs inline, as the service does on its worker thread; the other sends."""
-    out = []
-    for send in sends:
-        if isinstance(send, ToTokenizer):
-            try:
-                result = core.prompter.prepare(send.msg, send.turn)
-            except ButtermilkError as exc:
-                result = exc
-            out += drive(core, core.on_prepared(send.request_id, send.msg, result, now), now)
-        else:
-            out.append(send)
-    return out
 
 
 def client(core, msg, now=0.0, identity=CLIENT):

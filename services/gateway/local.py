@@ -16,6 +16,11 @@ from shared.protocol import Message
 PREFIX = b"\x00local-"
 
 
+def is_local(identity: bytes) -> bool:
+    """Whether `identity` is an in-process client's (never a ZeroMQ peer's)."""
+    return identity.startswith(PREFIX)
+
+
 class LocalClients:
     """Mailboxes of in-process clients, by identity."""
 
@@ -35,7 +40,7 @@ class LocalClients:
 
     @staticmethod
     def owns(identity: bytes) -> bool:
-        return identity.startswith(PREFIX)
+        return is_local(identity)
 
     def deliver(self, identity: bytes, msg: Message) -> bool:
         """Put `msg` in the identity's mailbox; False when it was closed."""

@@ -122,8 +122,8 @@ class GatewayMetrics:
 
     def ended(self, stream: Stream, terminal: Done | Error, now: float) -> None:
         self._last_token.pop(stream.request_id, None)
-        self.e2e.observe(now - stream.arrived_at)
-        if isinstance(terminal, Done):
+        if isinstance(terminal, Done):  # as vLLM: latency of requests that ran to an end
+            self.e2e.observe(now - stream.arrived_at)
             if terminal.finish_reason in SUCCESS_REASONS:
                 self.success.labels(terminal.finish_reason.value).inc()
             else:

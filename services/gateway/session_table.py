@@ -15,11 +15,13 @@ from dataclasses import dataclass
 
 from shared.errors import BadRequest, ButtermilkError, EngineFailed, ErrorCode
 
+from .local import is_local
 from .prompts import Turn
 
 MAX_ENDED_REMEMBERED = 4096  # ended sessions whose end reason is kept for later turns
 
-Owner = str  # "lease:<lease_id>" or "conn:<identity hex>"
+Owner = str  # "lease:<lease_id>", "conn:<identity hex>" or HTTP_OWNER
+HTTP_OWNER = "http"  # the HTTP API's sessions, whichever request started them
 
 
 @dataclass(slots=True)
@@ -35,8 +37,14 @@ class SessionRecord:
 
 
 def session_owner(identity: bytes, lease_id: str | None) -> Owner:
-    """Who owns a session named in a request from `identity` carrying `lease_id`."""
-    return f"lease:{lease_id}" if lease_id is not None else f"conn:{identity.hex()}"
+    """Who owns a session named in a request from `identity` carrying `lease_id`.
+
+    A lease owns the sessions started under it; otherwise the connection does. The HTTP API
+    opens one in-process connection per request, so it owns its sessions as one client ("http").
+    """
+    if lease_id is not None:
+        return f"lease:{lease_id}"
+    return HTTP_OWNER if is_local(identity) else f"conn:{identity.hex()}"
 
 
 class SessionTable:
@@ -113,7 +121,7 @@ class SessionTable:
 
     def connection_owners(self) -> set[bytes]:
         """Connections that own live sessions (sessions started without a lease)."""
-        return {s.creator for s in self._by_id.values() if s.lease_id is None}
+        return {s.creator for s in self._by_id.values() if s.lease_id is None and not is_local(s.creator)}
 
     def num_started_by(self, identity: bytes) -> int:
         return sum(1 for s in self._by_id.values() if s.creator == identity)
