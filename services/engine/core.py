@@ -31,8 +31,8 @@ class RequestOutput:
     """What one step produced for one request.
 
     `num_prompt_tokens` counts every token the request conditions on (a session's history
-    plus this turn's new tokens); `num_cached_tokens` is the part of it that was already in
-    the session's cache and was not recomputed.
+    plus this turn's new tokens); `num_cached_tokens` is the part of it that was not computed:
+    held by the session's slot, or mapped from the prefix cache.
     """
 
     request_id: str
@@ -47,15 +47,26 @@ class RequestOutput:
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
-    """Capacity and what is held, per request and per kept session."""
+    """Capacity and what is held, per request and per kept session, and the prefix cache's activity."""
 
     capacity_tokens: int  # KV token slots of the cache
-    free_tokens: int  # token slots on the free list (released pages return after the step fence)
+    free_tokens: int  # token slots a request can take: free pages and unreferenced cached pages
     used_slots: int  # slots held by requests and sessions
     max_slots: int
     bytes_per_token: int  # one token slot across all layers
     per_request: dict[str, tuple[int, int]]  # unfinished request id -> (tokens held, bytes held)
     sessions: dict[str, int]  # session id -> tokens held by its slot
+    held_tokens: int = 0  # token slots of pages held by slots, a shared page counted once
+    cached_pages: int = 0  # pages of K/V the prefix cache can hand out, held or not
+    evictable_pages: int = 0  # of them, pages no slot holds (counted in free_tokens)
+    prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admission, since start
+    prefix_hit_tokens: int = 0  # of them, tokens mapped instead of computed
+    evicted_pages: int = 0  # cached pages reclaimed for new K/V, since start
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Share of looked-up tokens found in the prefix cache (None before any lookup)."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else None
 
 
 class EngineCore:
@@ -69,6 +80,8 @@ class EngineCore:
         step_token_budget (int): Tokens per step, decode rows and prompt chunks together. Default: 512.
         page_size (int): Token slots per page. Default: 16.
         decode_window (int): Most decode steps per host sync while no prompt waits. Default: 8.
+        prefix_cache (bool): Share the full pages of common prompt prefixes between requests.
+            Default: True.
 
     Raises:
         ValueError: a budget not above `max_slots` (a prompt could starve), an unsupported layer
@@ -85,16 +98,18 @@ class EngineCore:
         step_token_budget: int = 512,
         page_size: int = 16,
         decode_window: int = 8,
+        prefix_cache: bool = True,
     ):
         if step_token_budget <= max_slots:
             raise ValueError(f"step_token_budget {step_token_budget} must exceed max_slots {max_slots} "
                              "(prompt chunks get what a full decode batch leaves)")
         self.loaded, self.options = loaded, options
         self._model_geometry = model_geometry(loaded)
+        prefix_key = f"{loaded.path.resolve()}|{self._model_geometry['dtype']}" if prefix_cache else None
         self.cache = BatchedKVCache.for_model(
             loaded.model, options, n_kv_heads=self._model_geometry["n_kv_heads"],
             head_dim=self._model_geometry["head_dim"], capacity_tokens=capacity_tokens,
-            page_size=page_size, max_slots=max_slots,
+            page_size=page_size, max_slots=max_slots, prefix_key=prefix_key,
         )
         self.scheduler = Scheduler(
             self.cache.slots, step_token_budget=step_token_budget, max_context=options.max_context,
@@ -179,6 +194,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         slots = self.cache.slots
+        prefix = slots.prefix
         return EngineStats(
             capacity_tokens=slots.capacity_tokens,
             free_tokens=slots.free_tokens,
@@ -187,7 +203,17 @@ class EngineCore:
             bytes_per_token=slots.bytes_per_token,
             per_request={rid: _held(r) for rid, r in self.scheduler.requests.items()},
             sessions={sid: s.slot.tokens_held if s.slot else 0 for sid, s in self.scheduler.sessions.items()},
+            held_tokens=slots.num_held_pages * slots.page_size,
+            cached_pages=prefix.num_cached_pages,
+            evictable_pages=prefix.num_evictable_pages,
+            prefix_query_tokens=prefix.counters.query_tokens,
+            prefix_hit_tokens=prefix.counters.hit_tokens,
+            evicted_pages=prefix.counters.evicted_pages,
         )
+
+    @property
+    def has_prefix_cache(self) -> bool:
+        return self.cache.slots.prefix.is_enabled
 
     @property
     def geometry(self) -> dict:

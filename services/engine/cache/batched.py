@@ -46,6 +46,7 @@ from . import pool_rows
 from .factory import CacheOptions, make_layer_caches
 from .kv import KVCache
 from .pages import LayerBudget, SlotTable, SlotView
+from .prefix import format_root
 from .decode_window import TAIL_PAGES_PER_ROW, WindowIndex, plan_window
 from .paged_index import plan_group
 from .paged_layers import ForwardIndex, LayerSpec, PagedLayerCache, PagedStorage
@@ -81,6 +82,9 @@ class BatchedKVCache:
         capacity_tokens (int): Token slots of storage, rounded down to whole pages.
         page_size (int): Token slots per page. Default: 16.
         max_slots (int): Sequences held at once. Default: 64.
+        prefix_key (str | None): The model's identity (path, weight dtype): turns the prefix
+            cache on, its hash chains rooted in it and in every layer's format and window
+            (`prefix.format_root`). None: pages are never shared. Default: None.
 
     Raises:
         ValueError: capacity below one page, a non-positive size, or a scheme that cannot store head_dim.
@@ -95,6 +99,7 @@ class BatchedKVCache:
         capacity_tokens: int,
         page_size: int = 16,
         max_slots: int = 64,
+        prefix_key: str | None = None,
     ):
         if page_size < 1 or capacity_tokens < page_size:
             raise ValueError(f"capacity_tokens {capacity_tokens} must hold at least one page of {page_size} tokens")
@@ -105,10 +110,13 @@ class BatchedKVCache:
         pools = [pool_rows.allocate(spec.fmt, rows) for spec in self.layers]
         self.storage = PagedStorage(pools, n_kv_heads=n_kv_heads, page_size=page_size)
         budgets = [
-            LayerBudget(None if s.window is None else s.window.max_size, s.fmt.bytes_per_row * n_kv_heads)
+            LayerBudget(None if s.window is None else s.window.max_size, s.fmt.bytes_per_row * n_kv_heads,
+                        0 if s.window is None else s.window.keep)
             for s in self.layers
         ]
-        self.slots = SlotTable(num_pages=num_pages, page_size=page_size, max_slots=max_slots, layers=budgets)
+        root = None if prefix_key is None else format_root(prefix_key, self.layers, n_kv_heads, head_dim, page_size)
+        self.slots = SlotTable(num_pages=num_pages, page_size=page_size, max_slots=max_slots, layers=budgets,
+                               prefix_root=root)
         # Decode windows write a tail pool where steps are launched back to back (a GPU); on the
         # CPU backend they write the main pools, each step after the last (decode_window).
         self.use_tail = mx.default_device() != mx.cpu

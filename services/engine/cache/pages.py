@@ -10,16 +10,27 @@ sequence that owned it is released. Released pages therefore wait on a pending l
 and return to the free list only when the engine reports (`complete_step`) that a
 step launched after the release has been evaluated: by then every earlier step has
 finished too (one stream, in order).
+
+Pages are reference-counted (`page_pool`): the prefix cache (`prefix`, `SlotTable.prefix`)
+maps cached pages of a common prefix into several page tables. A page is written only while
+it is private: forwards write positions from a slot's current length on, mapped pages hold
+positions below it, and `begin_forward` checks it.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from shared.errors import CapacityExhausted, StaleSlot
+
+from .page_pool import PagePool
+from .prefix import PrefixCache
+from .window import Window
 
 
 @dataclass(slots=True)
@@ -36,6 +47,7 @@ class LayerBudget:
 
     max_live_tokens: int | None  # `window.max_size`, or None for full attention
     bytes_per_token: int  # K and V, every codec field included
+    pinned_tokens: int = 0  # `window.keep`: leading positions the window never overwrites
 
 
 class SlotView:
@@ -88,12 +100,17 @@ class SlotTable:
         page_size (int): Token slots per page.
         max_slots (int): Sequences held at once (sessions between turns included).
         layers (Sequence[LayerBudget]): One entry per layer, for page and byte accounting.
+        prefix_root (bytes | None): `prefix.format_root` of the storage: turns the prefix cache
+            on (None: off; pages are never shared).
+        has_state_at (Callable[[bytes], bool] | None): For layers with recurrent state, see
+            `prefix.PrefixCache`. None: attention only.
 
     Raises:
         ValueError: a non-positive size, or no layers.
     """
 
-    def __init__(self, *, num_pages: int, page_size: int, max_slots: int, layers: Sequence[LayerBudget]):
+    def __init__(self, *, num_pages: int, page_size: int, max_slots: int, layers: Sequence[LayerBudget],
+                 prefix_root: bytes | None = None, has_state_at: Callable[[bytes], bool] | None = None):
         if num_pages < 1 or page_size < 1 or max_slots < 1 or not layers:
             raise ValueError(
                 f"need num_pages, page_size, max_slots >= 1 and at least one layer, got "
@@ -108,11 +125,13 @@ class SlotTable:
         for layer in self.layers:
             bound = layer.max_live_tokens
             self._bytes_by_bound[bound] = self._bytes_by_bound.get(bound, 0) + layer.bytes_per_token
+        # Distinct write rules (None: full attention): a forward's writes are checked under each.
+        self.write_rules: tuple[Window | None, ...] = tuple(dict.fromkeys(
+            None if b.max_live_tokens is None else Window(b.max_live_tokens, b.pinned_tokens) for b in self.layers))
         self._slots = [_Slot() for _ in range(max_slots)]
         self._free_slots = deque(range(max_slots))
-        self._free_pages = deque(range(num_pages))
-        self._pending: list[tuple[int, list[int]]] = []  # (first step id that may free them, pages)
-        self._next_step_id = 0
+        self._pages = PagePool(num_pages)
+        self.prefix = PrefixCache(self, self._pages, prefix_root, has_state_at=has_state_at)
 
     # -- sizes -----------------------------------------------------------------
 
@@ -123,17 +142,24 @@ class SlotTable:
 
     @property
     def free_tokens(self) -> int:
-        """Token slots on the free list (tokens); pages waiting on the fence are not free yet."""
-        return len(self._free_pages) * self.page_size
+        """Token slots a reservation can take now (tokens): free pages and unreferenced cached
+        pages (evicted on demand); pages waiting on the fence are not free yet."""
+        return self._pages.num_available * self.page_size
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_pages)
+        """Pages a reservation can take now (see `free_tokens`)."""
+        return self._pages.num_available
 
     @property
     def num_pending_pages(self) -> int:
         """Released pages still waiting for the step fence."""
-        return sum(len(pages) for _, pages in self._pending)
+        return self._pages.num_pending
+
+    @property
+    def num_held_pages(self) -> int:
+        """Pages held by slots, a page shared by several counted once."""
+        return self._pages.num_held
 
     @property
     def bytes_per_token(self) -> int:
@@ -175,7 +201,7 @@ class SlotTable:
         """
         slot = self.slot(view)
         held = self.tokens_held(view)
-        self._defer(slot.page_table)
+        self._pages.drop(slot.page_table)
         slot.generation += 1
         slot.is_held, slot.num_tokens, slot.page_table = False, 0, []
         self._free_slots.append(view.slot_id)
@@ -226,13 +252,13 @@ class SlotTable:
         """
         needed = [(self.slot(view), self.pages_needed(view, n)) for view, n in rows]
         total = sum(n for _, n in needed)
-        if total > len(self._free_pages):
+        if total > self._pages.num_available:
             raise CapacityExhausted(
                 f"{total * self.page_size} more KV tokens needed, {self.free_tokens} free "
                 f"of {self.capacity_tokens} (page_size {self.page_size})"
             )
         for slot, n in needed:
-            slot.page_table.extend(self._free_pages.popleft() for _ in range(n))
+            slot.page_table.extend(self._pages.take(n))
 
     def begin_forward(self, views: Sequence[SlotView], num_new: int) -> tuple[list[int], list[list[int]]]:
         """Reserve and count `num_new` tokens for every row of a forward, all or nothing.
@@ -248,9 +274,31 @@ class SlotTable:
         self.reserve([(view, num_new) for view in views])
         slots = [self._slots[view.slot_id] for view in views]
         starts = [slot.num_tokens for slot in slots]
+        self._check_private_writes(slots, num_new)
         for slot in slots:
             slot.num_tokens += num_new
+        if self._pages.has_claims:  # claimed pages this forward completes become cached
+            for slot, start in zip(slots, starts):
+                self._pages.mark_written(slot.page_table[start // self.page_size : slot.num_tokens // self.page_size])
         return starts, [slot.page_table for slot in slots]
+
+    def _check_private_writes(self, slots: Sequence[_Slot], num_new: int) -> None:
+        """The guard of page sharing: no forward writes a page another sequence may read.
+
+        Raises:
+            AssertionError: a position about to be written lies in a shared or cached page.
+        """
+        starts = np.array([slot.num_tokens for slot in slots], np.int64)
+        tables = np.zeros((len(slots), max(len(s.page_table) for s in slots)), np.int64)
+        for row, slot in enumerate(slots):
+            tables[row, : len(slot.page_table)] = slot.page_table
+        positions = starts[:, None] + np.arange(num_new)[None, :]
+        for rule in self.write_rules:
+            logical = positions if rule is None else rule.slot(positions)
+            pages = np.take_along_axis(tables, logical // self.page_size, axis=1)
+            shared = pages[self._pages.is_read_only(pages)]
+            if shared.size:
+                raise AssertionError(f"a forward would write shared or cached pages {sorted(set(shared.tolist()))}")
 
     def can_truncate(self, view: SlotView, num_tokens: int) -> bool:
         """Whether forgetting positions from `num_tokens` on is exact for every layer.
@@ -268,8 +316,15 @@ class SlotTable:
             return True
         return all(bound is None or seen <= bound for bound in self._bytes_by_bound)
 
-    def truncate(self, view: SlotView, num_tokens: int) -> None:
+    def truncate(self, view: SlotView, num_tokens: int) -> int:
         """Forget positions from `num_tokens` on; pages no longer needed go back after the fence.
+
+        The page holding position `num_tokens` is written next, so it must be private: a cached
+        page only this slot holds leaves the prefix cache; one shared with other slots is let go
+        too, and the slot keeps only the positions before it.
+
+        Returns:
+            int: positions the slot keeps (`num_tokens`, or less when a shared page was let go).
 
         Raises:
             StaleSlot: the view is stale.
@@ -283,25 +338,27 @@ class SlotTable:
         if num_tokens:  # a ring keeps the slots it holds: the truncated one is rewritten next
             keep = max(self.pages_for(num_tokens if bound is None else min(slot.num_tokens, bound))
                        for bound in self._bytes_by_bound)
-        self._defer(slot.page_table[keep:])
+        self._pages.drop(slot.page_table[keep:])
         del slot.page_table[keep:]
         slot.num_tokens = num_tokens
+        # Shared pages hold positions a window never moves, so the next position's page is its own.
+        index = num_tokens // self.page_size
+        if num_tokens % self.page_size and index < len(slot.page_table):
+            page = slot.page_table[index]
+            if self._pages.refcount(page) > 1:
+                self._pages.drop([page])
+                del slot.page_table[index:]
+                slot.num_tokens = index * self.page_size
+            else:
+                self._pages.forget([page])
+        return slot.num_tokens
 
-    # -- the step fence ----------------------------------------------------------
+    # -- the step fence ----------------------------------------------------------------
 
     def launch_step(self) -> int:
         """Register a step whose work is being launched now; returns its id (increasing)."""
-        step_id = self._next_step_id
-        self._next_step_id += 1
-        return step_id
+        return self._pages.launch_step()
 
     def complete_step(self, step_id: int) -> None:
         """Report that step `step_id`, and so every earlier step, has been evaluated."""
-        ready = [pages for first, pages in self._pending if first <= step_id]
-        self._pending = [(first, pages) for first, pages in self._pending if first > step_id]
-        for pages in ready:
-            self._free_pages.extend(pages)
-
-    def _defer(self, pages: list[int]) -> None:
-        if pages:
-            self._pending.append((self._next_step_id, list(pages)))
+        self._pages.complete_step(step_id)
