@@ -46,6 +46,7 @@ from shared.protocol_base import (  # re-exported: this module is the one to imp
     MessageType,
     Pid,
     Prompt,
+    PrefixCacheUsage,
     PromptTokens,
     ProtocolError,
     Reason,
@@ -245,6 +246,7 @@ class EngineUsage(Struct):
     reserved_slots: Count = 0  # the controller's count: sessions + requests without one
     engine_tokens: Count = 0  # engine-reported: KV tokens its cache holds now
     pid: Pid | None = None  # the engine's OS process id
+    prefix_cache: PrefixCacheUsage | None = None  # engine-reported (latest heartbeat)
 
 
 class StatsReply(WireMessage):

@@ -122,4 +122,14 @@ class WireMessage(Struct):
 class Usage(Struct):
     prompt_tokens: Count  # the whole context before decoding, cached tokens included
     completion_tokens: Count
-    cached_tokens: Count = 0  # prompt tokens reused from the session's KV, not recomputed
+    cached_tokens: Count = 0  # prompt tokens reused (session KV or prefix cache), not recomputed
+
+
+class PrefixCacheUsage(Struct):
+    """An engine's prefix cache: what it holds now, and its activity since the engine started."""
+
+    cached_tokens: Count = 0  # token slots of cached pages (K/V written), held by requests or not
+    evictable_tokens: Count = 0  # of them, in pages no request holds (free to reclaim)
+    query_tokens: Count = 0  # prompt tokens looked up at admission
+    hit_tokens: Count = 0  # of them, tokens reused instead of computed (hit rate = hit / query)
+    evicted_tokens: Count = 0  # token slots of cached pages reclaimed for new K/V

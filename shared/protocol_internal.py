@@ -21,6 +21,7 @@ from shared.protocol_base import (
     MaxTokens,
     MessageType,
     Pid,
+    PrefixCacheUsage,
     PromptTokens,
     Reason,
     Seed,
@@ -129,6 +130,7 @@ class Heartbeat(WireMessage):
     used_slots: Count = 0  # slots held, sessions between turns included
     num_sessions: Count = 0  # sessions kept between turns
     capacity_tokens: Count = 0  # KV token slots of its cache (0: not reported)
+    prefix_cache: PrefixCacheUsage | None = None  # None: the engine has no prefix cache
 
 
 class Reserve(WireMessage):

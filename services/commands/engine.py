@@ -34,6 +34,7 @@ class EngineSettings(ModelSettings):
     page_size: int = Field(16, ge=1, description="tokens per KV page")
     wait_timeout_s: float = Field(60.0, gt=0, description="longest wait of an accepted request for a slot, seconds")
     drain_timeout_s: float = Field(5.0, ge=0, description="on shutdown, how long running requests may finish, seconds")
+    no_prefix_cache: bool = Field(False, description="do not share cached pages of common prompt prefixes")
     engine_cmd_address: str = Field(DEFAULT_ENGINE_CMD_ADDRESS, description="the gateway's engine-cmd ROUTER")
     engine_out_address: str = Field(DEFAULT_ENGINE_OUT_ADDRESS, description="the gateway's engine-out PULL")
     controller_address: str = Field(DEFAULT_CONTROLLER_ADDRESS, description="the controller's ROUTER")
@@ -78,6 +79,7 @@ def build_service(settings: EngineSettings):
     core = EngineCore(
         loaded, options, capacity_tokens=pool_capacity(settings, loaded, options), max_slots=settings.max_slots,
         step_token_budget=settings.step_token_budget, page_size=settings.page_size,
+        prefix_cache=not settings.no_prefix_cache,
     )  # fmt: skip
     geo = core.geometry
     log_pool(settings.engine_id, geo)

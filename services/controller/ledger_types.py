@@ -16,6 +16,7 @@ class EngineReport:
     max_slots: int = 0  # sequences it can hold at once
     used_slots: int = 0  # slots held now, sessions between turns included
     engine_tokens: int = 0  # KV tokens its cache holds now
+    prefix_cache: object | None = None  # its prefix cache figures (a wire `PrefixCacheUsage`), relayed as is
 
 
 @dataclass(slots=True)

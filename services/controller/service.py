@@ -195,7 +195,8 @@ class ControllerCore:
     def _heartbeat(self, identity: bytes, msg: Heartbeat, now: float) -> Outgoing:
         peer = self.engines.get(msg.engine_id)
         report = EngineReport(pid=peer.pid if peer else None, max_slots=peer.max_slots if peer else 0,
-                              used_slots=msg.used_slots, engine_tokens=msg.tokens_used)  # fmt: skip
+                              used_slots=msg.used_slots, engine_tokens=msg.tokens_used,
+                              prefix_cache=msg.prefix_cache)  # fmt: skip
         if self.ledger.heartbeat(msg.engine_id, msg.epoch, now, report):
             return []
         if self.ledger.is_stale(msg.engine_id, msg.epoch):  # declared dead: it must restart
@@ -233,7 +234,7 @@ class ControllerCore:
                 reserved_tokens=e.reserved_tokens, held_tokens=e.held_tokens,
                 free_tokens=e.free_tokens, bytes_per_token=e.bytes_per_token,
                 used_slots=e.report.used_slots, max_slots=e.report.max_slots, reserved_slots=e.used_slots,
-                engine_tokens=e.report.engine_tokens, pid=e.report.pid,
+                engine_tokens=e.report.engine_tokens, pid=e.report.pid, prefix_cache=e.report.prefix_cache,
             )
             for e in stats.engines
         ]  # fmt: skip

@@ -41,6 +41,7 @@ from shared.protocol import (
     Error,
     Heartbeat,
     Hello,
+    PrefixCacheUsage,
     ProtocolError,
     Reconcile,
     TokenChunk,
@@ -89,6 +90,7 @@ class Snapshot:
     bytes_used: int = 0
     used_slots: int = 0
     num_sessions: int = 0
+    prefix_cache: PrefixCacheUsage | None = None
 
 
 class EngineIO(threading.Thread):
@@ -182,6 +184,7 @@ class EngineIO(threading.Thread):
             engine_id=self.hello.engine_id, epoch=self.hello.epoch, num_running=s.num_running,
             num_waiting=s.num_waiting, tokens_used=s.tokens_used, bytes_used=s.bytes_used,
             used_slots=s.used_slots, num_sessions=s.num_sessions, capacity_tokens=s.capacity_tokens,
+            prefix_cache=s.prefix_cache,
         )  # fmt: skip
 
 
@@ -396,11 +399,17 @@ class EngineService:
 
     def _snapshot(self) -> Snapshot:
         stats = self.core.stats()
-        used = stats.capacity_tokens - stats.free_tokens
+        used = stats.capacity_tokens - stats.free_tokens  # unreferenced cached pages count as free
+        page = self.core.cache.page_size
+        prefix = PrefixCacheUsage(
+            cached_tokens=stats.cached_pages * page, evictable_tokens=stats.evictable_pages * page,
+            query_tokens=stats.prefix_query_tokens, hit_tokens=stats.prefix_hit_tokens,
+            evicted_tokens=stats.evicted_pages * page,
+        ) if self.core.has_prefix_cache else None  # fmt: skip
         return Snapshot(
             num_running=len(self.running), num_waiting=len(self.core.scheduler.waiting), tokens_used=used,
             capacity_tokens=stats.capacity_tokens, bytes_used=used * stats.bytes_per_token,
-            used_slots=stats.used_slots, num_sessions=len(stats.sessions),
+            used_slots=stats.used_slots, num_sessions=len(stats.sessions), prefix_cache=prefix,
         )  # fmt: skip
 
     def _log_status(self, s: Snapshot) -> None:
