@@ -168,6 +168,15 @@ def test_truncating_into_a_cached_page_makes_it_private_or_lets_it_go():
     assert a.page_table == b.page_table[:1] and slots.num_held_pages == 3
 
 
+def test_truncating_a_window_that_has_not_wrapped_keeps_no_cached_page_past_the_cut():
+    slots = make_table(layers=(LayerBudget(None, 8), LayerBudget(64, 8, pinned_tokens=4)))
+    a, _ = admit(slots, list(range(20)), extent=64)
+    assert slots.prefix.num_cached_pages == 5
+    assert slots.truncate(a, 6) == 6 and len(a.page_table) == 2  # pages 2-4 stay cached, not held
+    slots.begin_forward([a], 14)  # positions 6-19 are written again, into private pages only
+    assert slots.prefix.num_cached_pages == 4 and slots.num_held_pages == 5
+
+
 def fake_steps(scheduler: Scheduler, num_steps: int) -> None:
     """Stand in for the runner: each forward takes its pages (`begin_forward`); every token is 7."""
     slots = scheduler.slots

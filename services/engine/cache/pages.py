@@ -334,16 +334,16 @@ class SlotTable:
         if not self.can_truncate(view, num_tokens):
             raise ValueError(f"cannot truncate slot {view.slot_id} from {slot.num_tokens} to {num_tokens} tokens "
                              "exactly (a window has evicted positions a later query would see)")
-        keep = 0
-        if num_tokens:  # a ring keeps the slots it holds: the truncated one is rewritten next
+        wrapped = any(bound is not None and slot.num_tokens > bound for bound in self._bytes_by_bound)
+        keep = self.pages_for(num_tokens)  # slot t holds position t in every layer
+        if num_tokens and wrapped:  # a ring keeps the slots it holds: the truncated one is rewritten next
             keep = max(self.pages_for(num_tokens if bound is None else min(slot.num_tokens, bound))
                        for bound in self._bytes_by_bound)
         self._pages.drop(slot.page_table[keep:])
         del slot.page_table[keep:]
         slot.num_tokens = num_tokens
-        # Shared pages hold positions a window never moves, so the next position's page is its own.
         index = num_tokens // self.page_size
-        if num_tokens % self.page_size and index < len(slot.page_table):
+        if not wrapped and num_tokens % self.page_size:  # (a wrapped ring's pages are never shared)
             page = slot.page_table[index]
             if self._pages.refcount(page) > 1:
                 self._pages.drop([page])
