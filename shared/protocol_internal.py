@@ -45,6 +45,7 @@ class Geometry(Struct):
     kv_cache: Annotated[str, Field(min_length=1, max_length=32)]  # raw, affine8, aura4v2, ...
     max_context: Positive  # tokens per sequence
     window_tokens: Positive | None = None  # sliding window on every layer: most KV tokens kept
+    state_bytes_per_slot: Count = 0  # recurrent state of one slot (hybrid models), allocated for every slot
 
 
 class Hello(WireMessage):

@@ -89,6 +89,7 @@ def build_service(settings: EngineSettings):
         slots=geo["max_slots"], capacity_tokens=max(1, geo["capacity_tokens"] - slack),
         bytes_per_token=geo["bytes_per_token"], kv_cache=str(geo["kv_cache"]),
         max_context=geo["max_context"], window_tokens=geo.get("window_tokens"),
+        state_bytes_per_slot=geo["state_bytes_per_slot"],
     )  # fmt: skip
     epoch = settings.epoch if settings.epoch is not None else int(time.time())
     hello = Hello(engine_id=settings.engine_id, epoch=epoch, geometry=geometry,

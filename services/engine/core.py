@@ -41,7 +41,7 @@ class RequestOutput:
     num_prompt_tokens: int  # tokens
     num_cached_tokens: int  # tokens
     tokens_held: int  # KV tokens the request's slot holds now (0 once freed; a session keeps its own)
-    bytes_held: int  # bytes of those tokens, all layers, K and V, metadata included
+    bytes_held: int  # bytes of those tokens, all layers, K and V, metadata included, plus the slot's recurrent state
     error: ButtermilkError | None = None  # set when finish_reason is "error"
 
 
@@ -54,6 +54,7 @@ class EngineStats:
     used_slots: int  # slots held by requests and sessions
     max_slots: int
     bytes_per_token: int  # one token slot across all layers
+    state_bytes_per_slot: int  # recurrent state of one slot, all layers (hybrid models; else 0)
     per_request: dict[str, tuple[int, int]]  # unfinished request id -> (tokens held, bytes held)
     sessions: dict[str, int]  # session id -> tokens held by its slot
     held_tokens: int = 0  # token slots of pages held by slots, a shared page counted once
@@ -84,8 +85,8 @@ class EngineCore:
             Default: True.
 
     Raises:
-        ValueError: a budget not above `max_slots` (a prompt could starve), an unsupported layer
-            kind (recurrent), an unknown scheme, or a model whose forward the caches cannot serve.
+        ValueError: a budget not above `max_slots` (a prompt could starve), a cache kind the
+            engine does not store, an unknown scheme, or a model whose forward the caches cannot serve.
     """
 
     def __init__(
@@ -131,7 +132,8 @@ class EngineCore:
         view = self.cache.acquire()
         try:
             batch = self.cache.batch([view], 1)
-            mx.eval(self.loaded.model(mx.zeros((1, 1), mx.uint32), cache=batch.layers), self.cache.arrays)
+            mx.eval(self.loaded.model(mx.zeros((1, 1), mx.uint32), cache=batch.layers), self.cache.arrays,
+                    self.cache.state_arrays)
         except (ValueError, TypeError, IndexError) as exc:
             raise ValueError(f"the engine cannot serve this model with --kv-cache {self.options.scheme}: {exc}") from exc
         finally:
@@ -201,6 +203,7 @@ class EngineCore:
             used_slots=slots.used_slots,
             max_slots=slots.max_slots,
             bytes_per_token=slots.bytes_per_token,
+            state_bytes_per_slot=slots.state_bytes_per_slot,
             per_request={rid: _held(r) for rid, r in self.scheduler.requests.items()},
             sessions={sid: s.slot.tokens_held if s.slot else 0 for sid, s in self.scheduler.sessions.items()},
             held_tokens=slots.num_held_pages * slots.page_size,
@@ -228,6 +231,7 @@ class EngineCore:
             "page_size": cache.page_size,
             "capacity_tokens": cache.capacity_tokens,
             "bytes_per_token": cache.bytes_per_token,
+            "state_bytes_per_slot": cache.state_bytes_per_slot,
             "max_slots": cache.slots.max_slots,
             "max_context": self.options.max_context,
             "window_tokens": cache.slots.max_live_tokens,

@@ -323,14 +323,15 @@ class Scheduler:
     def _keep_history(self, session: Session, request: Request) -> None:
         """The session keeps the request's prompt and the outputs read back; K/V past them goes.
 
-        Positions launched past them (a window's tokens after the ending) are forgotten; when
-        that cannot be exact for a windowed layer, the slot forgets everything and the next
-        turn computes the whole conversation again.
+        Positions launched past them (a window's tokens after the ending) are forgotten, back to
+        the most positions the slot can keep exactly (`SlotTable.truncation_point`): for a
+        wrapped window ring that is nothing, for recurrent state the window's start; the next
+        turn computes the rest again (`num_cached_tokens` says how much was kept).
         """
         session.token_ids = session.token_ids + request.prompt_token_ids + list(request.output_token_ids)
         valid = len(session.token_ids)
         if session.slot.num_tokens > valid:
-            self.slots.truncate(session.slot, valid if self.slots.can_truncate(session.slot, valid) else 0)
+            self.slots.truncate(session.slot, self.slots.truncation_point(session.slot, valid))
         held = session.token_ids[: session.slot.num_tokens]
         self.slots.prefix.publish(session.slot, held, max_positions=self.max_context)
 

@@ -392,7 +392,7 @@ class EngineService:
         return EngineFinished(
             engine_id=self.hello.engine_id, epoch=self.hello.epoch, id=request_id, reason=reason,
             usage=usage, tokens_held=held,
-            bytes_held=held * stats.bytes_per_token if held is not None else 0,
+            bytes_held=held * stats.bytes_per_token + (held > 0) * stats.state_bytes_per_slot if held is not None else 0,
             code=error.code if failed else None,
             message=error.message[:MAX_ERROR_CHARS] if failed else None, refused=refused,
         )  # fmt: skip
@@ -408,7 +408,8 @@ class EngineService:
         ) if self.core.has_prefix_cache else None  # fmt: skip
         return Snapshot(
             num_running=len(self.running), num_waiting=len(self.core.scheduler.waiting), tokens_used=used,
-            capacity_tokens=stats.capacity_tokens, bytes_used=used * stats.bytes_per_token,
+            capacity_tokens=stats.capacity_tokens,
+            bytes_used=used * stats.bytes_per_token + stats.used_slots * stats.state_bytes_per_slot,
             used_slots=stats.used_slots, num_sessions=len(stats.sessions), prefix_cache=prefix,
         )  # fmt: skip
 

@@ -5,6 +5,12 @@ before the runner touches storage (nano-vllm's `BlockManager` split). One `SlotT
 serves every layer: a page id names the same `page_size` token slots in each layer's
 storage, so one page table per slot covers the whole model.
 
+Hybrid models also keep a fixed-size recurrent state per slot (`state_pool`): it counts
+`state_bytes_per_slot` bytes while the slot holds a token, and it cannot be cut back to an
+arbitrary position, so truncation is exact only to nothing, to every position seen, or to the
+slot's *checkpoint*: the position where the last decode window began, whose state the engine
+keeps until the slot's next forward.
+
 MLX is lazy, so a step that was launched may still read or write a page after the
 sequence that owned it is released. Released pages therefore wait on a pending list
 and return to the free list only when the engine reports (`complete_step`) that a
@@ -39,6 +45,7 @@ class _Slot:
     page_table: list[int] = field(default_factory=list)  # page ids in logical order
     num_tokens: int = 0  # positions seen: RoPE position of the next token (grows past any window)
     is_held: bool = False
+    checkpoint: int | None = None  # an earlier position whose recurrent state is kept (see the module doc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +92,7 @@ class SlotView:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held for live tokens across all layers (K, V, every field)."""
+        """Bytes held for live tokens across all layers (K, V, every field), recurrent state included."""
         return self._table.nbytes(self)
 
     def __repr__(self) -> str:
@@ -99,25 +106,28 @@ class SlotTable:
         num_pages (int): Pages of storage shared by all slots.
         page_size (int): Token slots per page.
         max_slots (int): Sequences held at once (sessions between turns included).
-        layers (Sequence[LayerBudget]): One entry per layer, for page and byte accounting.
+        layers (Sequence[LayerBudget]): One entry per attention layer, for page and byte accounting.
         prefix_root (bytes | None): `prefix.format_root` of the storage: turns the prefix cache
             on (None: off; pages are never shared).
         has_state_at (Callable[[bytes], bool] | None): For layers with recurrent state, see
             `prefix.PrefixCache`. None: attention only.
+        state_bytes_per_slot (int): Recurrent state bytes of one slot, all layers (0: no
+            recurrent layers). Default: 0.
 
     Raises:
         ValueError: a non-positive size, or no layers.
     """
 
     def __init__(self, *, num_pages: int, page_size: int, max_slots: int, layers: Sequence[LayerBudget],
-                 prefix_root: bytes | None = None, has_state_at: Callable[[bytes], bool] | None = None):
+                 prefix_root: bytes | None = None, has_state_at: Callable[[bytes], bool] | None = None,
+                 state_bytes_per_slot: int = 0):
         if num_pages < 1 or page_size < 1 or max_slots < 1 or not layers:
             raise ValueError(
                 f"need num_pages, page_size, max_slots >= 1 and at least one layer, got "
                 f"{num_pages}, {page_size}, {max_slots}, {len(layers)} layers"
             )
         self.page_size, self.max_slots, self.layers = page_size, max_slots, tuple(layers)
-        self.num_pages = num_pages
+        self.num_pages, self.state_bytes_per_slot = num_pages, state_bytes_per_slot
         bounds = [layer.max_live_tokens for layer in self.layers]
         # Page tables are shared by all layers, so the widest layer decides how many pages a slot needs.
         self.max_live_tokens: int | None = None if None in bounds else max(bounds)
@@ -190,7 +200,7 @@ class SlotTable:
             raise CapacityExhausted(f"all {self.max_slots} slots are held")
         slot_id = self._free_slots.popleft()
         slot = self._slots[slot_id]
-        slot.is_held, slot.num_tokens, slot.page_table = True, 0, []
+        slot.is_held, slot.num_tokens, slot.page_table, slot.checkpoint = True, 0, [], None
         return SlotView(self, slot_id, slot.generation)
 
     def release(self, view: SlotView) -> int:
@@ -203,7 +213,7 @@ class SlotTable:
         held = self.tokens_held(view)
         self._pages.drop(slot.page_table)
         slot.generation += 1
-        slot.is_held, slot.num_tokens, slot.page_table = False, 0, []
+        slot.is_held, slot.num_tokens, slot.page_table, slot.checkpoint = False, 0, [], None
         self._free_slots.append(view.slot_id)
         return held
 
@@ -229,9 +239,10 @@ class SlotTable:
         return num_tokens if self.max_live_tokens is None else min(num_tokens, self.max_live_tokens)
 
     def nbytes(self, view: SlotView) -> int:
-        """Exact bytes held: per layer, its live tokens times its bytes per token."""
+        """Exact bytes held: per layer, its live tokens times its bytes per token, plus the
+        recurrent state once the slot has seen a token."""
         num_tokens = self.slot(view).num_tokens
-        return sum(
+        return (num_tokens > 0) * self.state_bytes_per_slot + sum(
             (num_tokens if bound is None else min(num_tokens, bound)) * nbytes
             for bound, nbytes in self._bytes_by_bound.items()
         )
@@ -260,8 +271,16 @@ class SlotTable:
         for slot, n in needed:
             slot.page_table.extend(self._pages.take(n))
 
-    def begin_forward(self, views: Sequence[SlotView], num_new: int) -> tuple[list[int], list[list[int]]]:
+    def begin_forward(self, views: Sequence[SlotView], num_new: int, *,
+                      keeps_start_state: bool = False) -> tuple[list[int], list[list[int]]]:
         """Reserve and count `num_new` tokens for every row of a forward, all or nothing.
+
+        Args:
+            views (Sequence[SlotView]): The rows.
+            num_new (int): New tokens per row.
+            keeps_start_state (bool): The engine keeps each row's recurrent state at its first
+                new position until the row's next forward (a decode window): it becomes the
+                row's checkpoint. Default: False.
 
         Returns:
             tuple[list[int], list[list[int]]]: each row's first new position, and its page
@@ -276,6 +295,7 @@ class SlotTable:
         starts = [slot.num_tokens for slot in slots]
         self._check_private_writes(slots, num_new)
         for slot in slots:
+            slot.checkpoint = slot.num_tokens if keeps_start_state else None
             slot.num_tokens += num_new
         if self._pages.has_claims:  # claimed pages this forward completes become cached
             for slot, start in zip(slots, starts):
@@ -303,18 +323,33 @@ class SlotTable:
     def can_truncate(self, view: SlotView, num_tokens: int) -> bool:
         """Whether forgetting positions from `num_tokens` on is exact for every layer.
 
-        Forgetting everything, or only the last position, always is; otherwise a windowed layer
-        must not have evicted anything yet (past positions a later query would see are gone).
+        Forgetting everything always is. For K/V, forgetting only the last position is too;
+        otherwise a windowed layer must not have evicted anything yet (past positions a later
+        query would see are gone). Recurrent state (hybrid models) is exact only at 0, at every
+        position seen, and at the slot's checkpoint.
 
         Raises:
             StaleSlot: the view is stale.
         """
-        seen = self.slot(view).num_tokens
+        slot = self.slot(view)
+        seen = slot.num_tokens
         if not 0 <= num_tokens <= seen:
+            return False
+        if self.state_bytes_per_slot and num_tokens not in (0, seen, slot.checkpoint):
             return False
         if num_tokens == 0 or seen - num_tokens <= 1:
             return True
         return all(bound is None or seen <= bound for bound in self._bytes_by_bound)
+
+    def truncation_point(self, view: SlotView, num_tokens: int) -> int:
+        """The most positions, at most `num_tokens`, the slot can keep exactly (`can_truncate`).
+
+        Raises:
+            StaleSlot: the view is stale.
+        """
+        checkpoint = self.slot(view).checkpoint
+        candidates = [num_tokens] + ([checkpoint] if checkpoint is not None and checkpoint < num_tokens else [])
+        return next((n for n in candidates if self.can_truncate(view, n)), 0)
 
     def truncate(self, view: SlotView, num_tokens: int) -> int:
         """Forget positions from `num_tokens` on; pages no longer needed go back after the fence.
@@ -341,7 +376,7 @@ class SlotTable:
                        for bound in self._bytes_by_bound)
         self._pages.drop(slot.page_table[keep:])
         del slot.page_table[keep:]
-        slot.num_tokens = num_tokens
+        slot.num_tokens, slot.checkpoint = num_tokens, None
         index = num_tokens // self.page_size
         if not wrapped and num_tokens % self.page_size:  # (a wrapped ring's pages are never shared)
             page = slot.page_table[index]
