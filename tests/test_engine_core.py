@@ -280,8 +280,8 @@ def test_geometry_and_stats_describe_capacity(tiny_llama):
     core = make_core(tiny_loaded(tiny_llama), capacity_tokens=100, page_size=16)
     assert core.geometry == {
         "n_layers": 2, "n_kv_heads": 2, "head_dim": 64, "dtype": "float32", "kv_cache": "raw", "page_size": 16,
-        "capacity_tokens": 96, "bytes_per_token": 2 * 2 * 2 * 64 * 4, "max_slots": 8, "max_context": 4096,
-        "window_tokens": None,
+        "capacity_tokens": 96, "bytes_per_token": 2 * 2 * 2 * 64 * 4, "state_bytes_per_slot": 0, "max_slots": 8,
+        "max_context": 4096, "window_tokens": None,
     }
     core.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=3)))
     core.step()
