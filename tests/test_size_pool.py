@@ -62,6 +62,13 @@ def test_capacity_concurrency_and_budget():
             sizing.budget_bytes(**bad, device_memory=2**30)
 
 
+def test_recurrent_state_comes_off_the_budget_first():
+    # 16 slots x 1 MiB of state leave 1 GiB - 16 MiB: 45875 tokens of 23,040 bytes, 2867 whole pages of 16.
+    assert sizing.capacity_tokens(2**30, 23040, page_size=16, state_bytes=16 * 2**20) == 2867 * 16
+    with pytest.raises(ValueError, match="recurrent state"):
+        sizing.capacity_tokens(2**20, 23040, page_size=16, state_bytes=2**20)
+
+
 def test_token_count_specs():
     assert TokenCounts.parse("512") == TokenCounts(512, 512)
     assert TokenCounts.parse("128-2048") == TokenCounts(1088, 2048)

@@ -106,15 +106,17 @@ def build_service(settings: EngineSettings):
 def pool_capacity(settings: EngineSettings, loaded, options) -> int:
     """KV token slots to allocate: `--capacity-tokens`, or what a KV memory budget holds.
 
-    A budget (`--kv-memory-gib` or `--kv-memory-fraction` of the device's memory) is divided
-    by the scheme's bytes per token, from the scheme registry (`services/engine/sizing.py`),
-    in whole pages: the figure `buttermilk pool-size` predicts.
+    A budget (`--kv-memory-gib` or `--kv-memory-fraction` of the device's memory), less a
+    hybrid model's recurrent state (allocated for every slot), is divided by the scheme's bytes
+    per token from the scheme registry (`services/engine/sizing.py`), in whole pages: the figure
+    `buttermilk pool-size` predicts for an attention-only model.
 
     Raises:
         BadRequest: both a budget and `--capacity-tokens`, both budgets, or a budget that
             holds no page.
     """
     from services.engine import sizing
+    from services.engine.cache.state_pool import probe_state_specs
 
     if settings.kv_memory_gib is None and settings.kv_memory_fraction is None:
         return settings.capacity_tokens
@@ -124,7 +126,8 @@ def pool_capacity(settings: EngineSettings, loaded, options) -> int:
         budget = sizing.budget_bytes(memory_gib=settings.kv_memory_gib, memory_fraction=settings.kv_memory_fraction)
         geometry = sizing.KVGeometry.from_config(loaded.config, loaded.dtype)
         per_token = sizing.bytes_per_token(options.scheme, geometry, raw_layers=options.raw_layers)
-        return sizing.capacity_tokens(budget, per_token, page_size=settings.page_size)
+        state = settings.max_slots * sum(s.nbytes for s in probe_state_specs(loaded.model))
+        return sizing.capacity_tokens(budget, per_token, page_size=settings.page_size, state_bytes=state)
     except ValueError as exc:
         raise BadRequest(f"KV memory budget: {exc}") from None
 

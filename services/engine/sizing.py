@@ -84,13 +84,19 @@ def bytes_per_token(scheme: str, geometry: KVGeometry, *, raw_layers: frozenset[
     return sum(layer_bytes_per_token(scheme, geometry, raw_layers=raw_layers))
 
 
-def capacity_tokens(memory_bytes: int, per_token_bytes: int, *, page_size: int) -> int:
+def capacity_tokens(memory_bytes: int, per_token_bytes: int, *, page_size: int, state_bytes: int = 0) -> int:
     """Token slots a KV pool of `memory_bytes` holds, in whole pages.
 
+    Args:
+        state_bytes (int): Recurrent state of a hybrid model, all slots (bytes): it comes off
+            the budget first. Default: 0.
+
     Raises:
-        ValueError: the budget holds less than one page.
+        ValueError: the budget holds less than one page after the state.
     """
-    num_pages = int(memory_bytes) // (per_token_bytes * page_size)
+    if state_bytes >= memory_bytes:
+        raise ValueError(f"the recurrent state ({state_bytes} bytes for all slots) leaves no room in {int(memory_bytes)} bytes")
+    num_pages = int(memory_bytes - state_bytes) // (per_token_bytes * page_size)
     if num_pages < 1:
         raise ValueError(f"a KV pool of {int(memory_bytes)} bytes holds no page of {page_size} tokens "
                          f"at {per_token_bytes} bytes per token")  # fmt: skip
