@@ -92,6 +92,33 @@ def make_hybrid(family: str, *, seed: int = 0, amplify: bool = False, **override
     return model
 
 
+def hand_state_bytes(family: str) -> int:
+    """Recurrent state bytes per slot from the config (float32): conv window + SSM / delta state per layer."""
+    c = CONFIGS[family]
+    if family == "qwen3_next":
+        layers = sum((i + 1) % c["full_attention_interval"] != 0 for i in range(c["num_hidden_layers"]))
+        conv_dim = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + c["linear_num_value_heads"] * c["linear_value_head_dim"]
+        ssm = c["linear_num_value_heads"] * c["linear_value_head_dim"] * c["linear_key_head_dim"]
+        per_layer = (c["linear_conv_kernel_dim"] - 1) * conv_dim + ssm
+    elif family == "lfm2":
+        layers = c["layer_types"].count("conv")
+        per_layer = (c["conv_L_cache"] - 1) * c["hidden_size"]
+    elif family == "nemotron_h":
+        layers = c["hybrid_override_pattern"].count("M")
+        inner = c["mamba_num_heads"] * c["mamba_head_dim"]
+        per_layer = ((c["conv_kernel"] - 1) * (inner + 2 * c["n_groups"] * c["ssm_state_size"])
+                     + inner * c["ssm_state_size"])
+    elif family == "falcon_h1":
+        layers = c["num_hidden_layers"]
+        per_layer = ((c["mamba_d_conv"] - 1) * (c["mamba_d_ssm"] + 2 * c["mamba_n_groups"] * c["mamba_d_state"])
+                     + c["mamba_n_heads"] * c["mamba_d_head"] * c["mamba_d_state"])
+    else:  # jamba
+        layers = c["num_hidden_layers"] - c["num_hidden_layers"] // c["attn_layer_period"]
+        inner = c["mamba_expand"] * c["hidden_size"]
+        per_layer = (c["mamba_d_conv"] - 1) * inner + inner * c["mamba_d_state"]
+    return 4 * layers * per_layer
+
+
 def loaded_hybrid(model: nn.Module, eos=()) -> LoadedModel:
     """A `LoadedModel` around a tiny hybrid (no tokenizer: only its EOS ids)."""
     config = {k: v for k, v in dataclasses.asdict(model.args).items() if not k.startswith("_")}

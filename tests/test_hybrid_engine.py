@@ -23,9 +23,10 @@ from services.engine.cache.pages import LayerBudget, SlotTable
 from services.engine.cache.paged_layers import PagedLayerCache
 from services.engine.cache.protocol import AttendingCache, LayerCache
 from services.engine.cache.recurrent import leaf_caches
+from services.engine.cache.report import layer_reports, state_bytes_per_slot
 from services.engine.request import Request
 from services.engine.sampling import SamplingParams
-from tests.hybrid_models import CONFIGS, FAMILIES, loaded_hybrid, make_hybrid, uncompiled
+from tests.hybrid_models import FAMILIES, hand_state_bytes, loaded_hybrid, make_hybrid, uncompiled
 from tests.test_engine_core import assert_all_free, drive, greedy, make_core, random_prompts
 
 ATOL = 1e-4  # float32 logits, ours against mlx-lm's caches (acceptance of issue 13)
@@ -151,31 +152,15 @@ def test_amplified_recurrence_shows_a_leak(hybrid):
     assert np.abs(leaked - clean).max() > LEAK_FLOOR, family
 
 
-def hand_state_bytes(family: str) -> int:
-    """Recurrent state bytes per slot from the config (float32): conv window + SSM / delta state per layer."""
-    c = CONFIGS[family]
-    if family == "qwen3_next":
-        layers = sum((i + 1) % c["full_attention_interval"] != 0 for i in range(c["num_hidden_layers"]))
-        conv_dim = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + c["linear_num_value_heads"] * c["linear_value_head_dim"]
-        ssm = c["linear_num_value_heads"] * c["linear_value_head_dim"] * c["linear_key_head_dim"]
-        per_layer = (c["linear_conv_kernel_dim"] - 1) * conv_dim + ssm
-    elif family == "lfm2":
-        layers = c["layer_types"].count("conv")
-        per_layer = (c["conv_L_cache"] - 1) * c["hidden_size"]
-    elif family == "nemotron_h":
-        layers = c["hybrid_override_pattern"].count("M")
-        inner = c["mamba_num_heads"] * c["mamba_head_dim"]
-        per_layer = ((c["conv_kernel"] - 1) * (inner + 2 * c["n_groups"] * c["ssm_state_size"])
-                     + inner * c["ssm_state_size"])
-    elif family == "falcon_h1":
-        layers = c["num_hidden_layers"]
-        per_layer = ((c["mamba_d_conv"] - 1) * (c["mamba_d_ssm"] + 2 * c["mamba_n_groups"] * c["mamba_d_state"])
-                     + c["mamba_n_heads"] * c["mamba_d_head"] * c["mamba_d_state"])
-    else:  # jamba
-        layers = c["num_hidden_layers"] - c["num_hidden_layers"] // c["attn_layer_period"]
-        inner = c["mamba_expand"] * c["hidden_size"]
-        per_layer = (c["mamba_d_conv"] - 1) * inner + inner * c["mamba_d_state"]
-    return 4 * layers * per_layer
+def test_reports_list_every_member_and_the_state_bytes(hybrid):
+    """`inspect --layer-trace`: one row per cache (a group's members each), the state per slot."""
+    family, model = hybrid
+    caches = make_layer_caches(model, CacheOptions(max_context=64))
+    model(mx.array([[1, 2, 3]]), cache=caches)
+    rows = layer_reports(caches, mx.float32)
+    assert [r["kind"] for r in rows] == [type(c).__name__ for c in leaf_caches(caches)]
+    state = sum(r["nbytes"] for r in rows if r["kind"] == "RecurrentStateCache")
+    assert state == state_bytes_per_slot(model) == hand_state_bytes(family)
 
 
 def test_state_bytes_are_fixed_per_slot_and_reported(hybrid):
