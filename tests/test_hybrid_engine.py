@@ -194,6 +194,28 @@ def test_an_abort_mid_window_frees_the_slot_and_spares_the_other_rows():
     assert_all_free(core)
 
 
+def test_decode_windows_through_a_tail_pool_keep_the_state_exact(monkeypatch):
+    """The GPU's window path (steps write a tail pool, launched back to back), forced on the CPU:
+    tokens and sessions as with the main pools."""
+    model = make_hybrid("jamba", amplify=True)
+    with monkeypatch.context() as patch:  # BatchedKVCache picks the tail path off the CPU
+        patch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu, 0))
+        core = make_core(loaded_hybrid(model), max_slots=4)
+    assert core.cache.use_tail
+    prompts, max_tokens = random_prompts([19, 3, 30], seed=2), [14, 16, 9]
+    arrivals = {i: [Request(f"r{i}", p, SamplingParams(max_tokens=n), session_id=f"s{i}")]
+                for i, (p, n) in enumerate(zip(prompts, max_tokens))}
+    results = drive(core, arrivals)
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        assert results[f"r{i}"]["tokens"] == greedy(model, core.options, prompt, n), f"r{i}"
+    follow = random_prompts([6], seed=4)[0]
+    again = drive(core, {0: [Request("t", follow, SamplingParams(max_tokens=10), session_id="s1")]})
+    assert again["t"]["tokens"] == greedy(model, core.options, prompts[1] + results["r1"]["tokens"] + follow, 10)
+    for i in range(3):
+        core.close_session(f"s{i}")
+    assert_all_free(core)
+
+
 SESSION_CASES = [(f, e) for f in FAMILIES for e in ("stop",)] + [("qwen3_next", "length"), ("nemotron_h", "cancelled")]
 
 
