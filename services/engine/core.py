@@ -108,8 +108,7 @@ class EngineCore:
         self._model_geometry = model_geometry(loaded)
         prefix_key = f"{loaded.path.resolve()}|{self._model_geometry['dtype']}" if prefix_cache else None
         self.cache = BatchedKVCache.for_model(
-            loaded.model, options, n_kv_heads=self._model_geometry["n_kv_heads"],
-            head_dim=self._model_geometry["head_dim"], capacity_tokens=capacity_tokens,
+            loaded.model, options, capacity_tokens=capacity_tokens,
             page_size=page_size, max_slots=max_slots, prefix_key=prefix_key,
         )
         self.scheduler = Scheduler(
@@ -126,8 +125,8 @@ class EngineCore:
         """Run one token through a scratch slot, so a model the caches cannot serve fails at start.
 
         Raises:
-            ValueError: the forward failed (e.g. keys and values of different widths, or an
-                attention the caches do not implement); the message names the scheme.
+            ValueError: the forward failed (e.g. an attention the caches do not implement);
+                the message names the scheme.
         """
         view = self.cache.acquire()
         try:

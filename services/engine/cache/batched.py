@@ -62,14 +62,16 @@ from .state_pool import StatePool, StateSpec, probe_state_specs
 
 
 def layer_specs(model: nn.Module, options: CacheOptions) -> list[tuple]:
-    """Per attention layer (key part, value part, window), translated as `make_layer_caches` does.
+    """Per attention layer (key part, value part, window, geometry), translated as `make_layer_caches` does.
 
     Recurrent layers are skipped (they keep state, not pages: see `CacheLayout`).
 
     Raises:
-        ValueError: an unknown scheme, or a cache kind we do not translate.
+        ValueError: an unknown scheme, a cache kind we do not translate, or a scheme that cannot
+            store a layer's widths.
     """
-    return [(c.key, c.value, c.window) for c in leaf_caches(make_layer_caches(model, options)) if isinstance(c, KVCache)]
+    return [(c.key, c.value, c.window, c.geometry) for c in leaf_caches(make_layer_caches(model, options))
+            if isinstance(c, KVCache)]
 
 
 def bucket_pages(num_pages: int) -> int:
@@ -81,9 +83,9 @@ class BatchedKVCache:
     """K/V storage of many sequences in fixed-size pages, one `SlotTable` for all layers.
 
     Args:
-        layers (Sequence[tuple[PartFormat, PartFormat, Window | None]]): Per attention layer.
-        n_kv_heads (int): KV heads per layer.
-        head_dim (int): Dimensions per head.
+        layers (Sequence[tuple[PartFormat, PartFormat, Window | None, LayerGeometry]]): Per
+            attention layer: its parts, window and geometry (widths may differ between layers
+            and between keys and values; the number of kv heads may not).
         capacity_tokens (int): Token slots of storage, rounded down to whole pages.
         page_size (int): Token slots per page. Default: 16.
         max_slots (int): Sequences held at once. Default: 64.
@@ -97,15 +99,14 @@ class BatchedKVCache:
 
     Raises:
         ValueError: capacity below one page, a non-positive size, no attention layer, a layout
-            that does not match, or a scheme that cannot store head_dim.
+            that does not match, layers storing different numbers of kv heads, or a scheme that
+            cannot store a layer's widths.
     """
 
     def __init__(
         self,
-        layers: Sequence[LayerSpec],
+        layers: Sequence[tuple],
         *,
-        n_kv_heads: int,
-        head_dim: int,
         capacity_tokens: int,
         page_size: int = 16,
         max_slots: int = 64,
@@ -119,8 +120,11 @@ class BatchedKVCache:
                              f"layers for {len(layers)} and {len(states)} (at least one attention layer)")
         if page_size < 1 or capacity_tokens < page_size:
             raise ValueError(f"capacity_tokens {capacity_tokens} must hold at least one page of {page_size} tokens")
-        self.layers = tuple(LayerSpec(LayerFormat(k, v, head_dim), w) for k, v, w in layers)
-        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        heads = sorted({g.n_kv_heads for *_, g in layers})
+        if len(heads) != 1:
+            raise ValueError(f"layers store {heads} kv heads per token; BatchedKVCache needs one count for every layer")
+        self.layers = tuple(LayerSpec(LayerFormat(k, v, g.key_dim, g.value_dim), w, g.latent) for k, v, w, g in layers)
+        n_kv_heads = self.n_kv_heads = heads[0]
         num_pages = capacity_tokens // page_size
         rows = num_pages * n_kv_heads * page_size
         pools = [pool_rows.allocate(spec.fmt, rows) for spec in self.layers]
@@ -132,7 +136,7 @@ class BatchedKVCache:
         ]
         self.states = StatePool(states, max_slots)
         shared = prefix_key is not None and not self.states.bytes_per_slot
-        root = format_root(prefix_key, self.layers, n_kv_heads, head_dim, page_size) if shared else None
+        root = format_root(prefix_key, self.layers, n_kv_heads, page_size) if shared else None
         self.slots = SlotTable(num_pages=num_pages, page_size=page_size, max_slots=max_slots, layers=budgets,
                                prefix_root=root, state_bytes_per_slot=self.states.bytes_per_slot)
         # Decode windows write a tail pool where steps are launched back to back (a GPU); on the

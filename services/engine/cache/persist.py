@@ -10,7 +10,8 @@ JSON list with one entry per layer, `{"class", "meta_state", "num_arrays", "pres
 (`present` marks which `state` entries were not `None`; a group's entry is
 `{"class": "CacheGroup", "members": [entry, ...]}`), plus `metadata`, the caller's
 JSON-serialisable dict. `meta_state` carries everything the cache and its codecs are rebuilt
-from: offset, context cap, window, head_dim, and each part's `meta()` under `key_`/`value_` prefixes,
+from: offset, context cap, window, key and value widths, whether the layer is latent (MLA),
+and each part's `meta()` under `key_`/`value_` prefixes,
 AURA rotation seeds included, so codes written by one process decode the same in another.
 
 Source: safetensors format (https://github.com/huggingface/safetensors); MLX
@@ -114,8 +115,10 @@ def _rebuild_kv(meta: dict[str, str], state: list) -> KVCache:
         window = Window(int(meta["window_max_size"]), int(meta["window_keep"]))
     cache = KVCache(key, value, max_tokens=int(meta["max_tokens"]), window=window)
     cache.state, cache.offset = state, int(meta["offset"])
-    if "head_dim" in meta:
-        cache.restore_format(int(meta["head_dim"]))
+    if "key_dim" in meta:
+        cache.restore_format(int(meta["key_dim"]), int(meta["value_dim"]), latent=meta.get("latent") == "1")
+    elif "head_dim" in meta:  # written before keys and values could differ in width
+        cache.restore_format(int(meta["head_dim"]), int(meta["head_dim"]))
     return cache
 
 

@@ -73,7 +73,7 @@ def layer_report(layer: int, cache, model_dtype: mx.Dtype) -> dict:
     }
     if cache.num_live and pools:
         batch, n_kv_heads = pools[0].shape[:2]
-        elements_per_token = 2 * batch * n_kv_heads * cache.fmt.head_dim  # K and V
+        elements_per_token = batch * n_kv_heads * (cache.fmt.key_dim + cache.fmt.value_dim)  # K and V
         per_token = cache.nbytes / cache.num_live
         row |= {
             "bytes_per_token": round(per_token, 2),
@@ -96,7 +96,7 @@ def bits_per_element(caches: list) -> float:
         caches (list): Per-layer caches holding tokens (groups are flattened; other cache kinds are skipped).
 
     Returns:
-        float: `8 * sum(nbytes) / sum(2 * B * n_kv_heads * head_dim * live_tokens)`.
+        float: `8 * sum(nbytes) / sum(B * n_kv_heads * (key_dim + value_dim) * live_tokens)`.
 
     Raises:
         ValueError: no `KVCache` layer holds a token.
@@ -104,5 +104,5 @@ def bits_per_element(caches: list) -> float:
     held = [c for c in leaf_caches(caches) if isinstance(c, KVCache) and c.num_live]
     if not held:
         raise ValueError("no KV cache layer holds a token")
-    elements = sum(2 * c.nbytes // c.fmt.bytes_per_row * c.fmt.head_dim for c in held)
+    elements = sum(c.nbytes // c.fmt.bytes_per_row * (c.fmt.key_dim + c.fmt.value_dim) for c in held)
     return 8.0 * sum(c.nbytes for c in held) / elements
