@@ -66,10 +66,10 @@ class PartFormat:
         return {RAW: 0, AURA: 1}[self.kind]
 
     def bits_per_element(self, head_dim: int) -> float:
-        """Stored bits per element, metadata included (CACHES.md "Bytes per token")."""
+        """Stored bits per element, metadata and the last word's padding included (CACHES.md "Bytes per token")."""
         if self.kind == RAW:
             return 8.0 * self.dtype.size
-        return self.bits + 16 * self.meta_halves(head_dim) / head_dim
+        return (32 * self.code_words(head_dim) + 16 * self.meta_halves(head_dim)) / head_dim
 
     def rotation(self, head_dim: int) -> RandomizedHadamard | None:
         """The AURA rotation of this part (None for other kinds)."""

@@ -9,19 +9,22 @@ References: mlx-lm's own caches (`make_prompt_cache`) on the same random weights
   tolerance (`KL_TOLERANCE`), and the batched cache equals the single-sequence cache of the same
   scheme within float32 tolerance (same codes, same math);
 - the engine (continuous batching, decode windows, rows joining and leaving) gives every request
-  the tokens `generate` gives it alone, under every scheme.
+  the tokens `generate` gives it alone, under every scheme;
+- a sliding window with sinks equals mlx-lm's `RotatingKVCache` (raw), and prompt chunks that wrap
+  it give the same logits batched and alone.
 """
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from services.engine.cache import CacheOptions, make_layer_caches
+from services.engine.cache import CacheOptions, Window, make_layer_caches
 from services.engine.cache.geometry import LayerGeometry
 from services.engine.cache.persist import load_caches, save_caches
 from services.engine.cache.schemes import SCHEMES
@@ -91,6 +94,31 @@ def test_single_sequence_cache_against_mlx_lm(geometry, scheme):
         assert mean_kl(want, got) <= KL_TOLERANCE[scheme], name
 
 
+def hand_row_bytes(scheme: str, key_dim: int, value_dim: int) -> int:
+    """Bytes of one (token, kv head) row, by hand: whole words of codes per part, then fp16 meta
+    (affine: scale and bias per group, a short tail group counting as one; AURA: one scale) in words."""
+    if scheme == "raw":
+        return 4 * (key_dim + value_dim)  # float32
+    if scheme.startswith("affine"):
+        bits = int(scheme.removeprefix("affine"))
+        group = {8: 64, 6: 64, 4: 32}[bits]
+        widths = ((key_dim, bits), (value_dim, bits))
+        halves = sum(2 * math.ceil(d / group) for d in (key_dim, value_dim))
+    else:
+        key_bits, value_bits = int(scheme[4]), int(scheme[6])
+        widths, halves = ((key_dim, key_bits), (value_dim, value_bits)), 2
+    return 4 * (sum(math.ceil(d * b / 32) for d, b in widths) + math.ceil(halves / 2))
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_nbytes_equals_hand_formula(geometry, scheme):
+    name, model, _ = geometry
+    heads, key_dim, value_dim, _ = EXPECTED[name]
+    caches = make_layer_caches(model, CacheOptions(scheme=scheme, max_context=256))
+    model(mx.array(PROMPT)[None], cache=caches)
+    assert [c.nbytes for c in caches] == [len(PROMPT) * heads * hand_row_bytes(scheme, key_dim, value_dim)] * 2
+
+
 @pytest.mark.parametrize("scheme", ["raw", "affine4", "aura5v3"])
 def test_batched_cache_equals_single_sequence_cache(geometry, scheme):
     """Five rows of different lengths, prompts in chunks, then batched decode steps (logits, float32)."""
@@ -105,6 +133,32 @@ def test_batched_cache_equals_single_sequence_cache(geometry, scheme):
     if scheme == "raw":  # the 40-token row is the teacher-forced run's first 3 chunks + 4 steps
         np.testing.assert_allclose(np.array(mx.stack(got[2])), np.array(want)[[15, 31, 39, 40, 41, 42, 43]],
                                    atol=FLOAT32_TOL, rtol=0)
+
+
+def test_window_equals_mlx_lm_rotating_cache(geometry):
+    """A window of 12 with 2 sinks: a 10-token prompt, then 20 decode steps around the ring (raw, float32)."""
+    name, model, _ = geometry
+
+    def run(caches):
+        out = [model(mx.array(PROMPT[:10])[None], cache=caches)[0, -1]]
+        out += [model(mx.array([[t]]), cache=caches)[0, -1] for t in FEED]
+        return np.array(mx.stack(out))
+
+    want = run([RotatingKVCache(max_size=12, keep=2) for _ in model.layers])
+    got = run(make_layer_caches(model, CacheOptions(window=Window(12, 2))))
+    np.testing.assert_allclose(got, want, atol=FLOAT32_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", ["raw", "aura4v4"])
+def test_windowed_batched_cache_equals_single_sequence_cache(geometry, scheme):
+    """Prompt chunks that wrap a window of 12 (keep 2), then decode steps, rows side by side."""
+    name, model, _ = geometry
+    options = CacheOptions(scheme=scheme, max_context=4096, window=Window(12, 2))
+    prompts, chunks = [PROMPT[:21], PROMPT[3:12], PROMPT[30:31]], [[8, 8, 5], [4, 5], [1]]
+    got = run_batched(model, make_cache(model, options), prompts, chunks, FEED[:6])
+    for prompt, sizes, row in zip(prompts, chunks, got):
+        for a, b in zip(row, reference_logits(model, options, prompt, sizes, FEED[:6])):
+            np.testing.assert_allclose(np.array(a), np.array(b), atol=FLOAT32_TOL, rtol=0)
 
 
 TOKENIZER = SimpleNamespace(eos_token_ids=set(), decode=lambda ids, **_: " ".join(map(str, ids)))
