@@ -215,12 +215,13 @@ def test_decode_matches_float64_reference(scheme, head_dim, group, lengths, with
 
 
 @pytest.mark.parametrize("scheme", ["raw", "affine8", "aura4v2"])
-def test_decode_reads_tail_pages(scheme):
+@pytest.mark.parametrize("dims", [64, (192, 128)], ids=str)
+def test_decode_reads_tail_pages(scheme, dims):
     """Page ids >= num_pages name the tail pool (a decode window's pages): read there, not in the main pool."""
-    fmt = LayerFormat(*SCHEMES[scheme](DTYPE), 64)
+    fmt = layer_format(scheme, dims)
     store = Store(fmt, (1, 16, 17, 40), 2, seed=9)
     store.move_last_pages_to_tail()
-    q = mx.array(np.random.default_rng(4).standard_normal((4, 8, 1, 64)).astype(np.float32)).astype(DTYPE)
+    q = mx.array(np.random.default_rng(4).standard_normal((4, 8, 1, fmt.key_dim)).astype(np.float32)).astype(DTYPE)
     for impl in IMPLEMENTATIONS:
         got = as_np(run_decode(store, q, 0.125, None, impl))
         for b, n in enumerate(store.lengths):
