@@ -4,7 +4,8 @@
 - `deepseek_v2`: keys of 192 (128 no-RoPE + 64 RoPE) and values of 128 per head (DeepSeek-V2's
   split), the cache storing every head;
 - `mla`: DeepSeek-V3 / Kimi multi-head latent attention: the cache holds one latent of 96 and
-  its RoPE part of 32 per token, which the model multiplies out per head.
+  its RoPE part of 32 per token, which the model multiplies out per head (`make_kimi_k25`: the
+  same attention under Kimi K2.5's wrapper).
 """
 
 from __future__ import annotations
@@ -42,6 +43,17 @@ def make_mla(*, seed: int = 0, n_layers: int = 2):
         v_head_dim=64, qk_nope_head_dim=48, max_position_embeddings=4096,
     )
     return _init(deepseek_v3.Model(args), seed)
+
+
+def make_kimi_k25(*, seed: int = 0, n_layers: int = 2):
+    """Kimi K2.5's language model (mlx-lm `kimi_k25`: DeepSeek-V3 MLA under a multimodal wrapper)."""
+    attention.install()
+    from mlx_lm.models import kimi_k25
+
+    text = dict(model_type="deepseek_v3", vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
+                q_lora_rank=64, qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=48, max_position_embeddings=4096)
+    return _init(kimi_k25.Model(kimi_k25.ModelArgs(text_config=text)), seed)
 
 
 def _init(model, seed: int):

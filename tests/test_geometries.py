@@ -31,7 +31,7 @@ from services.engine.cache.schemes import SCHEMES
 from services.engine.generate import GenerationStats, generate
 from services.engine.request import Request
 from services.engine.sampling import SamplingParams
-from tests.geometry_models import GEOMETRIES, VOCAB, make_geometry_model
+from tests.geometry_models import GEOMETRIES, VOCAB, make_geometry_model, make_kimi_k25
 from tests.test_batched_cache import make_cache, reference_logits, run_batched
 from tests.test_engine_core import assert_all_free, drive, make_core, tiny_loaded
 
@@ -206,3 +206,20 @@ def test_save_load_continues_with_identical_logits(geometry, scheme, tmp_path):
     for token in (11, 42, 7):
         want = model(mx.array([[token]]), cache=caches)
         np.testing.assert_array_equal(np.array(model(mx.array([[token]]), cache=loaded)), np.array(want))
+
+
+def test_kimi_k25_takes_the_mla_path():
+    """Kimi K2.5 wraps DeepSeek-V3's attention: latent layers, equal to mlx-lm raw, and the engine equals generate."""
+    model = make_kimi_k25()
+    caches = make_layer_caches(model, CacheOptions(max_context=256))
+    assert [c.geometry for c in caches] == [LayerGeometry(1, 64, 32, latent=True)] * 2
+    np.testing.assert_allclose(np.array(teacher_forced(model, caches)),
+                               np.array(teacher_forced(model, make_prompt_cache(model))), atol=FLOAT32_TOL, rtol=0)
+    core = make_core(tiny_loaded(model), scheme="aura4v4", max_slots=4, step_token_budget=24)
+    prompts = [PROMPT[:7], PROMPT[5:25]]
+    results = drive(core, {0: [Request(f"r{i}", p, SamplingParams(max_tokens=8)) for i, p in enumerate(prompts)]})
+    for i, prompt in enumerate(prompts):
+        stats = GenerationStats()
+        list(generate(model, TOKENIZER, prompt, make_layer_caches(model, core.options), SamplingParams(max_tokens=8),
+                      max_context=4096, stats=stats))
+        assert results[f"r{i}"]["tokens"] == stats.token_ids
