@@ -77,7 +77,7 @@ def test_hybrid_caches_speak_the_cache_protocol(hybrid):
     `LayerCache`s; the engine's attention views attend on their pools (`AttendingCache`)."""
     family, model = hybrid
     single = make_layer_caches(model, CacheOptions(max_context=64))
-    batched = BatchedKVCache.for_model(model, CacheOptions(max_context=64), n_kv_heads=2, head_dim=16,
+    batched = BatchedKVCache.for_model(model, CacheOptions(max_context=64),
                                        capacity_tokens=64, page_size=16, max_slots=2)
     engine = batched.batch([batched.acquire()], 1).layers
     for cache in single + leaf_caches(single) + leaf_caches(engine):

@@ -58,7 +58,7 @@ def test_pages_are_named_by_their_tokens_their_prefix_and_the_format(tiny_llama)
     assert page_hashes(format_root("another model"), tokens, PAGE)[0] != hashes[0]
 
     def root(**options) -> bytes:
-        cache = BatchedKVCache.for_model(tiny_llama, CacheOptions(**options), n_kv_heads=2, head_dim=64,
+        cache = BatchedKVCache.for_model(tiny_llama, CacheOptions(**options),
                                          capacity_tokens=64, max_slots=1, prefix_key="tiny|float32")  # fmt: skip
         return cache.slots.prefix.root
 
