@@ -1,5 +1,5 @@
 # buttermilk on the MLX CPU backend (Linux). One image for every service:
-#   docker run -p 5555:5555 buttermilk                     # serve: controller, gateway, engine
+#   docker run -p 5555:5555 -p 8000:8000 buttermilk        # serve: controller, gateway, engine
 #   docker compose up                                      # the three as separate services
 FROM python:3.11-slim
 
@@ -23,8 +23,9 @@ ENV BUTTERMILK_DATA_DIR=/data \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
 VOLUME /data
-EXPOSE 5555
+# 5555: ZeroMQ clients; 8000: OpenAI-compatible HTTP API, /health, /ready, /metrics.
+EXPOSE 5555 8000
 
 # Exec form: buttermilk is PID 1 and gets SIGTERM from `docker stop` (clean shutdown).
 ENTRYPOINT ["buttermilk"]
-CMD ["serve", "--model", "default", "--address", "tcp://0.0.0.0:5555"]
+CMD ["serve", "--model", "default", "--address", "tcp://0.0.0.0:5555", "--http-address", "0.0.0.0:8000"]

@@ -7,8 +7,8 @@ Lloyd-Max centroid `c`. One scale per vector, `s = ||x|| / ||c[idx]||`, is store
 reconstruction `y_hat = s * c[idx]` (rotated domain) has exactly the norm of `x` (up to the
 float16 rounding of `s`, relative error <= 2**-11).
 
-Stored format per vector: `d * bits` code bits in `d * bits / 32` uint32 words (no padding;
-requires `d * bits % 32 == 0`, true for every power-of-two `d >= 32`), plus one float16
+Stored format per vector: `d * bits` code bits in `ceil(d * bits / 32)` uint32 words (zero
+bits pad the last word when `d * bits % 32 != 0`, e.g. d = 80 at 3 bits), plus one float16
 scale. The bit layout is the little-endian bit stream of `mx.quantize`: index `i` occupies
 stream bits `[i*bits, (i+1)*bits)`, stream bit `k` is bit `k % 32` of word `k // 32`.
 
@@ -47,11 +47,14 @@ class AuraCodes(NamedTuple):
     scales: mx.array
 
 
-def _validate(bits: int, head_dim: int) -> None:
+def _validate(bits: int) -> None:
     if not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
         raise ValueError(f"AURA bits must be an int in {MIN_BITS}..{MAX_BITS}, got {bits!r}")
-    if head_dim * bits % _WORD_BITS:
-        raise ValueError(f"head_dim * bits must be a multiple of 32, got {head_dim} * {bits}")
+
+
+def packed_words(count: int, bits: int) -> int:
+    """uint32 words that hold `count` values of `bits` bits: `ceil(count * bits / 32)`."""
+    return -(-count * bits // _WORD_BITS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,44 +97,46 @@ def pack_bits(values: mx.array, bits: int) -> mx.array:
     `bits / gcd(bits, 32)` times more arithmetic than widths dividing 32.
 
     Args:
-        values: Integer array `[..., n]` with values in `[0, 2**bits)`; `n` must be a
-            multiple of `32 / gcd(bits, 32)` (so `n * bits` is a multiple of 32).
+        values: Integer array `[..., n]` with values in `[0, 2**bits)`.
         bits: Width of each value, 1..8.
 
     Returns:
-        uint32 `[..., n * bits / 32]` in the `mx.quantize` bit-stream layout.
-
-    Raises:
-        ValueError: If `n` is not a whole number of blocks.
+        uint32 `[..., ceil(n * bits / 32)]` in the `mx.quantize` bit-stream layout; bits past
+        `n * bits` in the last word are zero.
     """
     left, right, touches = _block_plan(bits)
     words_per_block, values_per_block = left.shape
     *lead, count = values.shape
-    if count % values_per_block:
-        raise ValueError(f"{count} values of {bits} bits do not fill whole uint32 words")
-    num_blocks = count // values_per_block
-    blocks = values.astype(mx.uint32).reshape(*lead, num_blocks, 1, values_per_block)
+    num_blocks = -(-count // values_per_block)
+    values = values.astype(mx.uint32)
+    if num_blocks * values_per_block != count:  # zero values fill the last block
+        values = mx.pad(values, [(0, 0)] * len(lead) + [(0, num_blocks * values_per_block - count)])
+    blocks = values.reshape(*lead, num_blocks, 1, values_per_block)
     words = (((blocks << left) >> right) * touches).sum(axis=-1)
-    return words.reshape(*lead, num_blocks * words_per_block)
+    return words.reshape(*lead, num_blocks * words_per_block)[..., : packed_words(count, bits)]
 
 
-def unpack_bits(packed: mx.array, bits: int) -> mx.array:
+def unpack_bits(packed: mx.array, bits: int, count: int | None = None) -> mx.array:
     """Inverse of `pack_bits`.
 
     Args:
-        packed: uint32 `[..., words]`, `words` a multiple of `bits / gcd(bits, 32)`.
+        packed: uint32 `[..., words]`.
         bits: Width of each value, 1..8.
+        count: Values to read; None: `words * 32 // bits`.
 
     Returns:
-        uint32 `[..., words * 32 / bits]` with values in `[0, 2**bits)`.
+        uint32 `[..., count]` with values in `[0, 2**bits)`.
     """
     left, right, touches = _block_plan(bits)
     words_per_block, values_per_block = left.shape
     *lead, words = packed.shape
-    num_blocks = words // words_per_block
+    count = words * _WORD_BITS // bits if count is None else count
+    num_blocks = -(-words // words_per_block)
+    if num_blocks * words_per_block != words:
+        packed = mx.pad(packed, [(0, 0)] * len(lead) + [(0, num_blocks * words_per_block - words)])
     blocks = packed.reshape(*lead, num_blocks, words_per_block, 1)
     values = (((blocks >> left) << right) * touches).sum(axis=-2) & ((1 << bits) - 1)
-    return values.reshape(*lead, num_blocks * values_per_block)
+    return values.reshape(*lead, num_blocks * values_per_block)[..., :count]
 
 
 def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> AuraCodes:
@@ -148,17 +153,16 @@ def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> Aura
         rotation: The layer's rotation; `rotation.head_dim == d`.
 
     Returns:
-        `AuraCodes` with packed uint32 `[B, H, L, d * bits / 32]` and float16 scales
+        `AuraCodes` with packed uint32 `[B, H, L, ceil(d * bits / 32)]` and float16 scales
         `[B, H, L, 1]`.
 
     Raises:
-        ValueError: If `bits` is outside 1..8, `d * bits % 32 != 0`, or `d` differs from
-            `rotation.head_dim`.
+        ValueError: If `bits` is outside 1..8 or `d` differs from `rotation.head_dim`.
 
     Source: CACHES.md "AURA encode / decode"; TurboQuant (arXiv 2504.19874) Algorithm 1.
     """
     head_dim = x.shape[-1]
-    _validate(bits, head_dim)
+    _validate(bits)
     x = x.astype(mx.float32)
     norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
     inverse_norm = mx.where(norm > 0, math.sqrt(head_dim) / norm, 0.0)
@@ -168,7 +172,7 @@ def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> Aura
     return AuraCodes(pack_bits(index, bits), scale.astype(SCALE_DTYPE))
 
 
-def aura_decode_rotated(codes: AuraCodes, *, bits: int, dtype: mx.Dtype) -> mx.array:
+def aura_decode_rotated(codes: AuraCodes, *, bits: int, dtype: mx.Dtype, head_dim: int | None = None) -> mx.array:
     """Reconstruct in the rotated domain: `y_hat = scale * c[idx]`, `||y_hat|| = ||x||`.
 
     This is what compressed-domain attention uses: `q . x_hat = (Pi q) . y_hat`.
@@ -177,17 +181,20 @@ def aura_decode_rotated(codes: AuraCodes, *, bits: int, dtype: mx.Dtype) -> mx.a
         codes: `AuraCodes` from `aura_encode`.
         bits: The width the codes were made with.
         dtype: Output dtype (the product is formed in float32).
+        head_dim: `d`; None: every bit of the packed words is a code (`words * 32 / bits`).
 
     Returns:
         `[B, H, L, d]` array of `dtype`.
 
     Raises:
-        ValueError: If `bits` is outside 1..8 or does not match the packed width.
+        ValueError: If `bits` is outside 1..8 or the packed width does not hold `head_dim` codes.
 
     Source: CACHES.md "AURA encode / decode".
     """
-    _validate(bits, codes.packed.shape[-1] * _WORD_BITS // bits)
-    centroids = mx.take(aura_codebook(bits), unpack_bits(codes.packed, bits))
+    _validate(bits)
+    if head_dim is not None and packed_words(head_dim, bits) != codes.packed.shape[-1]:
+        raise ValueError(f"{codes.packed.shape[-1]} words do not hold {head_dim} codes of {bits} bits")
+    centroids = mx.take(aura_codebook(bits), unpack_bits(codes.packed, bits, head_dim))
     return (centroids * codes.scales.astype(mx.float32)).astype(dtype)
 
 
@@ -210,7 +217,7 @@ def aura_decode(
 
     Source: CACHES.md "AURA encode / decode".
     """
-    rotated = aura_decode_rotated(codes, bits=bits, dtype=mx.float32)
+    rotated = aura_decode_rotated(codes, bits=bits, dtype=mx.float32, head_dim=rotation.head_dim)
     return rotation.inverse(rotated).astype(dtype)
 
 

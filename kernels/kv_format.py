@@ -3,11 +3,14 @@
 A layer's KV storage is one or two *pools*, arrays `[rows, width]` whose rows each hold one
 (token, kv head) pair (see `services.engine.cache.layer_pool` for how rows are addressed):
 
-- raw layers: a K pool and a V pool `[rows, head_dim]` in the raw dtype;
+- raw layers: a K pool `[rows, key_dim]` and a V pool `[rows, value_dim]` in the raw dtype;
 - compressed layers (affine, AURA): one uint32 pool whose row holds both vectors:
   `[K codes | V codes | K meta, V meta]` — codes as the little-endian bit stream of
-  `mx.quantize` (`head_dim * bits / 32` words each), then float16 meta packed two per word:
+  `mx.quantize` (`ceil(dim * bits / 32)` words each), then float16 meta packed two per word:
   affine `[scales, biases]` per part (one per group each), AURA one norm-corrected scale per part.
+
+Keys and values may have different widths (DeepSeek-V2: 192 and 128; an MLA latent and its
+RoPE part: 512 and 64); `head_dim` names the width when they are equal.
 
 One row per (token, head) means a forward writes each layer with one scatter per pool and a
 fused kernel reads a token's K and V from one place; the byte count is exactly CACHES.md's
@@ -26,9 +29,9 @@ import mlx.core as mx
 
 import numpy as np
 
-from kernels.affine import AffineCodes, affine_dequantize, affine_quantize
-from kernels.aura import aura_codebook, aura_encode, unpack_bits
-from kernels.rotation import RandomizedHadamard
+from kernels.affine import AffineCodes, affine_dequantize, affine_quantize, num_groups
+from kernels.aura import aura_codebook, aura_encode, packed_words, unpack_bits
+from kernels.rotation import RandomizedHadamard, is_power_of_two, supports_head_dim
 
 META_DTYPE = mx.float16  # affine scales/biases and AURA scales, whatever the model dtype
 RAW, AFFINE, AURA = "raw", "affine", "aura"
@@ -53,18 +56,20 @@ class PartFormat:
     dtype: mx.Dtype = mx.float32
 
     def code_words(self, head_dim: int) -> int:
-        """uint32 words of codes per vector (compressed parts)."""
-        return head_dim * self.bits // 32
+        """uint32 words of codes per vector (compressed parts): `ceil(head_dim * bits / 32)`."""
+        return packed_words(head_dim, self.bits)
 
     def meta_halves(self, head_dim: int) -> int:
-        """float16 meta values per vector: affine scales + biases, the AURA scale, none for raw."""
-        return {RAW: 0, AFFINE: 2 * head_dim // max(self.group_size, 1), AURA: 1}[self.kind]
+        """float16 meta values per vector: affine scales + biases (a tail group included), the AURA scale."""
+        if self.kind == AFFINE:
+            return 2 * num_groups(head_dim, self.group_size)
+        return {RAW: 0, AURA: 1}[self.kind]
 
     def bits_per_element(self, head_dim: int) -> float:
-        """Stored bits per element, metadata included (CACHES.md "Bytes per token")."""
+        """Stored bits per element, metadata and the last word's padding included (CACHES.md "Bytes per token")."""
         if self.kind == RAW:
             return 8.0 * self.dtype.size
-        return self.bits + 16 * self.meta_halves(head_dim) / head_dim
+        return (32 * self.code_words(head_dim) + 16 * self.meta_halves(head_dim)) / head_dim
 
     def rotation(self, head_dim: int) -> RandomizedHadamard | None:
         """The AURA rotation of this part (None for other kinds)."""
@@ -72,15 +77,19 @@ class PartFormat:
 
     def check(self, head_dim: int) -> None:
         """Raise ValueError when this part cannot store vectors of `head_dim`."""
+        if not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+        if self.kind == AURA and not supports_head_dim(head_dim):
+            raise ValueError(f"AURA needs a Hadamard rotation of head_dim {head_dim}: head_dim = m * 2^k with m in "
+                             "1, 12, 20, 28 (64, 80, 96, 112, 128, 160, 192, 256, ...); keep such layers raw or affine")
+
+    def is_regular(self, head_dim: int) -> bool:
+        """Codes fill whole words, affine groups divide head_dim, AURA's rotation is Sylvester's (CUDA kernels)."""
         if self.kind == RAW:
-            return
+            return True
         if head_dim * self.bits % 32:
-            raise ValueError(f"{self.kind}{self.bits} needs head_dim * bits to be a multiple of 32, "
-                             f"got head_dim {head_dim}")
-        if self.kind == AFFINE and head_dim % self.group_size:
-            raise ValueError(f"affine group size {self.group_size} does not divide head_dim {head_dim}")
-        if self.kind == AURA and head_dim & (head_dim - 1):
-            raise ValueError(f"AURA needs a power-of-two head_dim (a Hadamard rotation), got {head_dim}")
+            return False
+        return head_dim % self.group_size == 0 if self.kind == AFFINE else is_power_of_two(head_dim)
 
     def meta(self) -> dict[str, str]:
         """Everything needed to rebuild this part (stored with persisted caches)."""
@@ -105,27 +114,47 @@ class LayerFormat:
     Args:
         key (PartFormat): How keys are stored.
         value (PartFormat): How values are stored.
-        head_dim (int): D, elements per head vector.
+        key_dim (int): Dk, elements per key vector.
+        value_dim (int): Dv, elements per value vector; 0 (default) means `key_dim`.
 
     Raises:
-        ValueError: one part is raw and the other not, or a part cannot store `head_dim`.
+        ValueError: one part is raw and the other not, or a part cannot store its width.
     """
 
     key: PartFormat
     value: PartFormat
-    head_dim: int
+    key_dim: int
+    value_dim: int = 0
 
     def __post_init__(self):
+        if not self.value_dim:
+            object.__setattr__(self, "value_dim", self.key_dim)
         if (self.key.kind == RAW) != (self.value.kind == RAW):
             raise ValueError("keys and values must both be raw or both be compressed")
-        self.key.check(self.head_dim)
-        self.value.check(self.head_dim)
+        self.key.check(self.key_dim)
+        self.value.check(self.value_dim)
 
     # -- layout --------------------------------------------------------------------
 
     @property
     def is_raw(self) -> bool:
         return self.key.kind == RAW
+
+    @property
+    def head_dim(self) -> int:
+        """D when keys and values have one width.
+
+        Raises:
+            ValueError: keys and values have different widths (use `key_dim` / `value_dim`).
+        """
+        if self.key_dim != self.value_dim:
+            raise ValueError(f"keys ({self.key_dim}) and values ({self.value_dim}) have different widths")
+        return self.key_dim
+
+    @property
+    def is_regular(self) -> bool:
+        """One width, codes in whole words, groups dividing it, Sylvester rotations: what the CUDA kernels take."""
+        return self.key_dim == self.value_dim and all(p.is_regular(self.key_dim) for p in (self.key, self.value))
 
     @property
     def name(self) -> str:
@@ -139,11 +168,11 @@ class LayerFormat:
 
     @property
     def key_words(self) -> int:
-        return self.key.code_words(self.head_dim)
+        return self.key.code_words(self.key_dim)
 
     @property
     def value_words(self) -> int:
-        return self.value.code_words(self.head_dim)
+        return self.value.code_words(self.value_dim)
 
     @property
     def meta_offset(self) -> int:
@@ -152,11 +181,11 @@ class LayerFormat:
 
     @property
     def key_meta_halves(self) -> int:
-        return self.key.meta_halves(self.head_dim)
+        return self.key.meta_halves(self.key_dim)
 
     @property
     def value_meta_halves(self) -> int:
-        return self.value.meta_halves(self.head_dim)
+        return self.value.meta_halves(self.value_dim)
 
     @property
     def row_words(self) -> int:
@@ -164,9 +193,9 @@ class LayerFormat:
         return self.meta_offset + math.ceil((self.key_meta_halves + self.value_meta_halves) / 2)
 
     def pool_specs(self) -> list[tuple[int, mx.Dtype]]:
-        """(width, dtype) of each pool: `[(D, dtype)] * 2` for raw, `[(row_words, uint32)]` else."""
+        """(width, dtype) of each pool: `[(Dk, dtype), (Dv, dtype)]` for raw, `[(row_words, uint32)]` else."""
         if self.is_raw:
-            return [(self.head_dim, self.key.dtype), (self.head_dim, self.value.dtype)]
+            return [(self.key_dim, self.key.dtype), (self.value_dim, self.value.dtype)]
         return [(self.row_words, mx.uint32)]
 
     @property
@@ -176,7 +205,7 @@ class LayerFormat:
 
     def bits_per_element(self) -> float:
         """Mean stored bits per K/V element (CACHES.md)."""
-        return 8 * self.bytes_per_row / (2 * self.head_dim)
+        return 8 * self.bytes_per_row / (self.key_dim + self.value_dim)
 
     # -- encode / decode in MLX ops (the reference path every backend can run) -----
 
@@ -184,8 +213,8 @@ class LayerFormat:
         """Encode K and V `[..., D]` into pool rows `[..., width]`, one array per pool.
 
         Args:
-            keys (mx.array): `[..., D]` float (RoPE applied).
-            values (mx.array): `[..., D]` float, same shape.
+            keys (mx.array): `[..., Dk]` float (RoPE applied).
+            values (mx.array): `[..., Dv]` float, same leading shape.
 
         Returns:
             tuple[mx.array, ...]: raw: (K, V) in the raw dtype; compressed: (rows uint32,).
@@ -200,7 +229,7 @@ class LayerFormat:
         return (mx.concatenate([k_codes, v_codes, mx.view(meta, mx.uint32)], axis=-1),)
 
     def decode(self, pools: tuple[mx.array, ...]) -> tuple[mx.array, mx.array]:
-        """Decode pool rows `[..., width]` into K and V `[..., D]` in the attention domain.
+        """Decode pool rows `[..., width]` into K `[..., Dk]` and V `[..., Dv]` in the attention domain.
 
         AURA parts come back rotated (`y = Pi x`; see `rotate_query` / `unrotate_output`),
         float32; affine parts as `scale * q + bias` in float32; raw parts as stored.
@@ -211,18 +240,32 @@ class LayerFormat:
         meta = mx.view(mx.contiguous(rows[..., self.meta_offset:]), META_DTYPE)
         k_meta = meta[..., : self.key_meta_halves]
         v_meta = meta[..., self.key_meta_halves : self.key_meta_halves + self.value_meta_halves]
-        keys = _decode_part(self.key, rows[..., : self.key_words], k_meta)
-        values = _decode_part(self.value, rows[..., self.key_words : self.meta_offset], v_meta)
+        keys = _decode_part(self.key, rows[..., : self.key_words], k_meta, self.key_dim)
+        values = _decode_part(self.value, rows[..., self.key_words : self.meta_offset], v_meta, self.value_dim)
         return keys, values
 
+    def decode_plain(self, pools: tuple[mx.array, ...]) -> tuple[mx.array, mx.array]:
+        """Decode pool rows into K and V in the model's own domain (AURA parts un-rotated).
+
+        For layers whose attention runs on operands derived from the cache (MLA's latent), where
+        the rotated domain cannot be used. Raw parts come back as stored, others float32.
+        """
+        keys, values = self.decode(pools)
+        return self.unrotate_keys(keys), self.unrotate_output(values)
+
     def rotate_query(self, queries: mx.array) -> mx.array:
-        """Map queries `[..., D]` into the domain keys are decoded in (AURA: rotate)."""
-        rotation = self.key.rotation(self.head_dim)
+        """Map queries `[..., Dk]` into the domain keys are decoded in (AURA: rotate)."""
+        rotation = self.key.rotation(self.key_dim)
         return queries if rotation is None else rotation.forward(queries)
 
+    def unrotate_keys(self, keys: mx.array) -> mx.array:
+        """Map decoded keys `[..., Dk]` back to the model's domain (AURA: un-rotate)."""
+        rotation = self.key.rotation(self.key_dim)
+        return keys if rotation is None else rotation.inverse(keys)
+
     def unrotate_output(self, out: mx.array) -> mx.array:
-        """Map attention output `[..., D]` back from the value domain (AURA: un-rotate)."""
-        rotation = self.value.rotation(self.head_dim)
+        """Map attention output (or decoded values) `[..., Dv]` back from the value domain (AURA: un-rotate)."""
+        rotation = self.value.rotation(self.value_dim)
         return out if rotation is None else rotation.inverse(out)
 
 
@@ -239,14 +282,14 @@ def _encode_part(part: PartFormat, x: mx.array) -> tuple[mx.array, mx.array]:
     return codes.packed, codes.scales.astype(META_DTYPE)
 
 
-def _decode_part(part: PartFormat, codes: mx.array, meta: mx.array) -> mx.array:
-    """float32 [..., D] from codes [..., words] and meta [..., halves]."""
+def _decode_part(part: PartFormat, codes: mx.array, meta: mx.array, dim: int) -> mx.array:
+    """float32 [..., dim] from codes [..., words] and meta [..., halves]."""
     if part.kind == AFFINE:
         groups = meta.shape[-1] // 2
         scales, biases = meta[..., :groups].astype(mx.float32), meta[..., groups:].astype(mx.float32)
         return affine_dequantize(AffineCodes(mx.contiguous(codes), scales, biases), bits=part.bits,
-                                 group_size=part.group_size, dtype=mx.float32)
-    return aura_lookup(codes, part.bits) * meta.astype(mx.float32)
+                                 group_size=part.group_size, dtype=mx.float32, head_dim=dim)
+    return aura_lookup(codes, part.bits, dim) * meta.astype(mx.float32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,16 +301,17 @@ def _u16_table(bits: int) -> mx.array:
     return mx.array(np.array(aura_codebook(bits))[index].astype(np.float32))
 
 
-def aura_lookup(codes: mx.array, bits: int) -> mx.array:
-    """Unit-scale centroids `c[idx]` float32 `[..., D]` of packed AURA codes `[..., words]`.
+def aura_lookup(codes: mx.array, bits: int, dim: int | None = None) -> mx.array:
+    """Unit-scale centroids `c[idx]` float32 `[..., dim]` of packed AURA codes `[..., words]`.
 
     Widths dividing 16 look up a whole uint16 of codes at once (one gather per 16 bits,
     ~5x faster on the CPU backend than unpacking then gathering each index); others unpack.
+    `dim` None: every bit of the words is a code.
     """
     if 16 % bits:
-        return mx.take(aura_codebook(bits), unpack_bits(codes, bits))
+        return mx.take(aura_codebook(bits), unpack_bits(codes, bits, dim))
     halves = mx.view(mx.contiguous(codes), mx.uint16)
-    out = mx.take(_u16_table(bits), halves, axis=0)
-    return out.reshape(*codes.shape[:-1], -1)
+    out = mx.take(_u16_table(bits), halves, axis=0).reshape(*codes.shape[:-1], -1)
+    return out if dim is None or dim == out.shape[-1] else out[..., :dim]
 
 

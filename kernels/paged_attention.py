@@ -12,6 +12,10 @@ pools of rows (`kernels.kv_format`) addressed through page tables, and calls one
   built on the host.
 - `contiguous_attention`: a raw single-sequence cache whose pages are contiguous: plain
   `mx.fast.scaled_dot_product_attention` over views (bitwise mlx-lm's own path).
+- layers whose attention runs on operands the model derives from what the cache returns (MLA)
+  are not attended here: `kernels.latent_attention` hands the model their decoded slots.
+
+Keys and values may have different widths (queries `[..., Dk]`, outputs `[..., Dv]`).
 
 Masked slots are never multiplied in: their values are zeroed before `p @ V`, so storage
 outside a row's live slots (padding, another sequence's leftovers, NaN) changes no output.
@@ -91,7 +95,7 @@ def decode_attention(
     """Attention of one query per row over every live slot of the row.
 
     Args:
-        queries (mx.array): [B, n_heads, 1, D], RoPE applied.
+        queries (mx.array): [B, n_heads, 1, Dk], RoPE applied.
         ref (PoolRef): The layer's pools.
         page_table (mx.array): int32 [B, NP]: slot t of row b lives in page `page_table[b, t // P]`.
         lengths (mx.array): int32 [B], live slots per row (all attended).
@@ -99,7 +103,7 @@ def decode_attention(
         sinks (mx.array | None): [n_heads] learned attention-sink logits.
 
     Returns:
-        mx.array: [B, n_heads, 1, D] in the queries' dtype.
+        mx.array: [B, n_heads, 1, Dv] in the queries' dtype.
     """
     if uses_cuda(ref.fmt):
         return cuda_kv.decode_attention(queries, ref.fmt, ref.pools, ref.tails, page_table, lengths,
@@ -108,8 +112,15 @@ def decode_attention(
 
 
 def uses_cuda(fmt: LayerFormat) -> bool:
-    """Whether the fused CUDA kernels serve this format here (power-of-two head_dim 8..256)."""
-    d = fmt.head_dim
+    """Whether the fused CUDA kernels serve this format here.
+
+    They take one power-of-two head_dim from 8 to 256 for keys and values, codes in whole words,
+    affine groups that divide it and Sylvester rotations (`LayerFormat.is_regular`); other
+    geometries (head_dim 80, 96, 192, keys wider than values, tail groups) take the MLX-ops path.
+    """
+    if not fmt.is_regular:
+        return False
+    d = fmt.key_dim
     return cuda_kv.is_available() and 8 <= d <= 256 and d & (d - 1) == 0
 
 
@@ -133,6 +144,10 @@ class History:
     page_table: mx.array | None = None
     rows: tuple[mx.array, ...] | None = None
     positions: mx.array | None = None
+
+    def num_slots(self, page_size: int) -> int:
+        """History slots read per row (pages read times `page_size`, or the gathered rows)."""
+        return self.rows[0].shape[2] if self.rows is not None else self.page_table.shape[1] * page_size
 
     def chunks(self, ref: PoolRef):
         """Yield (first slot, rows per pool [B, H, C, width]) over the history, C <= CHUNK_TOKENS."""
@@ -169,30 +184,35 @@ def prefill_attention(
     """Attention of L queries per row over its history slots plus the chunk's own keys.
 
     Args:
-        queries (mx.array): [B, n_heads, L, D], RoPE applied.
+        queries (mx.array): [B, n_heads, L, Dk], RoPE applied.
         ref (PoolRef): The layer's pools (history is read from them, chunk by chunk).
         history (History | None): What the chunk sees besides itself (None: nothing).
-        new_keys, new_values (mx.array): [B, n_kv_heads, L, D] of the chunk, in the attention
-            domain (`LayerFormat.decode` of their encoding: exactly what is stored).
+        new_keys, new_values (mx.array): [B, n_kv_heads, L, Dk] and [B, n_kv_heads, L, Dv] of
+            the chunk, in the attention domain (`LayerFormat.decode` of their encoding: exactly
+            what is stored).
         query_positions (mx.array): int32 [B, L], absolute positions of the chunk's tokens.
         window (WindowRule | None): The layer's window.
         scale (float): Score scale.
         sinks (mx.array | None): [n_heads] learned attention-sink logits.
 
     Returns:
-        mx.array: [B, n_heads, L, D] in the queries' dtype.
+        mx.array: [B, n_heads, L, Dv] in the queries' dtype.
     """
     qpos = query_positions[:, None, :, None]  # [B, 1, L, 1]
-    new_visible = query_positions[:, None, None, :] <= qpos
-    if window is not None:
-        new_visible &= _in_window(query_positions[:, None, None, :], qpos, window)
-    extra = (new_keys, new_values, new_visible)
+    extra = (new_keys, new_values, new_visible(query_positions, window))
     rule = None if window is None else (qpos, window)
     return _attend_chunks(queries, ref, history, extra, rule, scale=scale, sinks=sinks)
 
 
 def _in_window(keys: mx.array, queries: mx.array, window: WindowRule) -> mx.array:
     return (keys < window.keep) | (keys > queries - window.ring)
+
+
+def new_visible(query_positions: mx.array, window: WindowRule | None) -> mx.array:
+    """[B, 1, L, L]: may the chunk's query i see the chunk's key j (causal, the window rule)."""
+    qpos, kpos = query_positions[:, None, :, None], query_positions[:, None, None, :]
+    visible = kpos <= qpos
+    return visible if window is None else visible & _in_window(kpos, qpos, window)
 
 
 # -- the MLX-ops path ----------------------------------------------------------------------
@@ -218,7 +238,7 @@ def _attend_chunks(queries, ref, history, extra, rule, *, scale, sinks):
         return _single_pass(queries, fmt, history, chunks, extra, rule, scale=scale, sinks=sinks)
     state = None
     for first, rows in chunks:
-        valid, visible = _history_masks(history, first, rows[0].shape[2], rule)
+        valid, visible = history_masks(history, first, rows[0].shape[2], rule)
         if visible.shape[2] != 1:
             visible = grouped(visible)
         state = _merge(state, _chunk_scores(q, fmt, rows, visible, valid))
@@ -231,11 +251,11 @@ def _attend_chunks(queries, ref, history, extra, rule, *, scale, sinks):
         sink = mx.repeat(sinks.astype(mx.float32).reshape(1, heads, group, 1), length, axis=2).reshape(1, heads, -1, 1)
         top = mx.maximum(m, sink)
         l, o = l * mx.exp(m - top) + mx.exp(sink - top), o * mx.exp(m - top)
-    out = (o / l).reshape(batch, n_heads, length, head_dim)
+    out = (o / l).reshape(batch, n_heads, length, fmt.value_dim)
     return fmt.unrotate_output(out).astype(queries.dtype)
 
 
-def _history_masks(history: History, first: int, size: int, rule) -> tuple[mx.array, mx.array]:
+def history_masks(history: History, first: int, size: int, rule) -> tuple[mx.array, mx.array]:
     """(valid [B, 1, 1, C], visible [B, 1, 1 or L, C]) of history slots `first .. first+size-1`."""
     slots = first + mx.arange(size, dtype=mx.int32)
     valid = (slots[None, :] < history.lengths[:, None])[:, None, None, :]
@@ -250,7 +270,7 @@ def _single_pass(queries, fmt: LayerFormat, history, chunks, extra, rule, *, sca
     """History that fits one chunk: decode it and run `mx.fast` SDPA once with an explicit mask."""
     keys, values, masks = [], [], []
     for first, rows in chunks:
-        valid, visible = _history_masks(history, first, rows[0].shape[2], rule)
+        valid, visible = history_masks(history, first, rows[0].shape[2], rule)
         k, v = fmt.decode(rows)
         slot_valid = valid.swapaxes(-1, -2)
         keys.append(mx.where(slot_valid, k, 0))
@@ -269,8 +289,9 @@ def _single_pass(queries, fmt: LayerFormat, history, chunks, extra, rule, *, sca
 
 
 def _packed(fmt: LayerFormat, rows: int) -> bool:
-    """Whether affine chunks run `quantized_matmul` on the codes (CPU, a few query rows)."""
-    return fmt.key.kind == AFFINE and rows <= _PACKED_MAX_ROWS and mx.default_device() == mx.cpu
+    """Whether affine chunks run `quantized_matmul` on the codes (CPU, a few query rows, no tail groups)."""
+    return (fmt.key.kind == AFFINE and rows <= _PACKED_MAX_ROWS and mx.default_device() == mx.cpu
+            and fmt.key.is_regular(fmt.key_dim) and fmt.value.is_regular(fmt.value_dim))
 
 
 def _chunk_scores(q, fmt: LayerFormat, rows: tuple[mx.array, ...], visible: mx.array, valid: mx.array):
@@ -331,5 +352,5 @@ def _merge(state, part):
 
 
 def contiguous_attention(queries, keys, values, *, scale: float, mask, sinks=None) -> mx.array:
-    """`mx.fast.scaled_dot_product_attention` over raw K/V views [B, H, T, D] (mlx-lm's path)."""
+    """`mx.fast.scaled_dot_product_attention` over K/V [B, H, T, Dk | Dv] (mlx-lm's path)."""
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)

@@ -1,9 +1,10 @@
 """Slow float64 NumPy references for the KV-cache kernels. Used only by tests.
 
 Everything here is written independently of the MLX kernels: bits are packed by explicit
-bit expansion, the Hadamard matrix is built by the Sylvester recursion, nearest centroids
-are found by argmin over distances, and Lloyd-Max distortion is integrated by
-Gauss-Legendre quadrature.
+bit expansion, Hadamard matrices are built by the Sylvester recursion and, for orders
+m * 2^k (m = 12, 20, 28), by Paley's constructions written out entry by entry (Euler's
+criterion for the quadratic character), nearest centroids are found by argmin over
+distances, and Lloyd-Max distortion is integrated by Gauss-Legendre quadrature.
 
 Source: CACHES.md "AURA encode / decode"; TurboQuant (arXiv 2504.19874); MLX `mx.quantize`.
 """
@@ -16,27 +17,36 @@ import numpy as np
 
 
 def pack_bits_ref(values: np.ndarray, bits: int) -> np.ndarray:
-    """Little-endian bit-stream packing of `[..., n]` values into uint32 `[..., n*bits/32]`."""
+    """Little-endian bit-stream packing of `[..., n]` values into uint32 `[..., ceil(n*bits/32)]` (zero-padded)."""
     stream = (values[..., None].astype(np.uint64) >> np.arange(bits, dtype=np.uint64)) & 1
+    stream = stream.reshape(*values.shape[:-1], -1)
+    stream = np.concatenate([stream, np.zeros((*stream.shape[:-1], -stream.shape[-1] % 32), np.uint64)], axis=-1)
     stream = stream.reshape(*values.shape[:-1], -1, 32)
     return (stream << np.arange(32, dtype=np.uint64)).sum(axis=-1).astype(np.uint32)
 
 
-def unpack_bits_ref(packed: np.ndarray, bits: int) -> np.ndarray:
-    """Inverse of `pack_bits_ref`: uint32 `[..., words]` to int64 `[..., words*32/bits]`."""
+def unpack_bits_ref(packed: np.ndarray, bits: int, count: int | None = None) -> np.ndarray:
+    """Inverse of `pack_bits_ref`: uint32 `[..., words]` to int64 `[..., count]` (default `words*32//bits`)."""
+    count = packed.shape[-1] * 32 // bits if count is None else count
     stream = (packed[..., None].astype(np.int64) >> np.arange(32)) & 1
-    stream = stream.reshape(*packed.shape[:-1], -1, bits)
+    stream = stream.reshape(*packed.shape[:-1], -1)[..., : count * bits]
+    stream = stream.reshape(*packed.shape[:-1], count, bits)
     return (stream << np.arange(bits)).sum(axis=-1)
 
 
 def affine_dequantize_ref(
-    packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int
+    packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int,
+    head_dim: int | None = None,
 ) -> np.ndarray:
-    """`scale * q + bias` per group, float64 `[..., d]`, from MLX's affine layout."""
-    q = unpack_bits_ref(packed, bits).astype(np.float64)
-    q = q.reshape(*q.shape[:-1], -1, group_size)
-    out = q * scales[..., None].astype(np.float64) + biases[..., None].astype(np.float64)
-    return out.reshape(*out.shape[:-2], -1)
+    """`scale * q + bias` per group, float64 `[..., d]`, from MLX's affine layout.
+
+    Element i belongs to group `i // group_size`; with `head_dim` not a multiple of
+    `group_size` the last group is a shorter tail.
+    """
+    head_dim = scales.shape[-1] * group_size if head_dim is None else head_dim
+    q = unpack_bits_ref(packed, bits, head_dim).astype(np.float64)
+    group = np.arange(head_dim) // group_size
+    return q * scales[..., group].astype(np.float64) + biases[..., group].astype(np.float64)
 
 
 def affine_round_trip_ref(x: np.ndarray, bits: int, group_size: int) -> np.ndarray:
@@ -57,10 +67,46 @@ def sylvester_hadamard(d: int) -> np.ndarray:
     return h
 
 
+def paley_hadamard_ref(m: int) -> np.ndarray:
+    """Hadamard matrix of order 12 or 20 (Paley I, q = m - 1) or 28 (Paley II, q = 13), entry by entry."""
+    q = {12: 11, 20: 19, 28: 13}[m]
+
+    def chi(a: int) -> int:  # Euler's criterion: a^((q-1)/2) mod q
+        a %= q
+        return 0 if a == 0 else (1 if pow(a, (q - 1) // 2, q) == 1 else -1)
+
+    n = q + 1
+    core = np.zeros((n, n))
+    for i in range(n):
+        for j in range(n):
+            if i == 0 and j > 0:
+                core[i, j] = 1
+            elif j == 0 and i > 0:
+                core[i, j] = -1 if q % 4 == 3 else 1
+            elif i > 0 and j > 0:
+                core[i, j] = chi(j - i)
+    if q % 4 == 3:
+        return core + np.eye(n)
+    out = np.zeros((2 * n, 2 * n))
+    for i in range(n):
+        for j in range(n):
+            block = [[1, -1], [-1, -1]] if i == j else ([[1, 1], [1, -1]] if core[i, j] > 0 else [[-1, -1], [-1, 1]])
+            out[2 * i : 2 * i + 2, 2 * j : 2 * j + 2] = block
+    return out
+
+
+def hadamard_ref(d: int) -> np.ndarray:
+    """Unnormalised Hadamard matrix of order d: Sylvester's, or `H_m (x) H_{2^k}` for d = m * 2^k."""
+    if d & (d - 1) == 0:
+        return sylvester_hadamard(d)
+    m = next(m for m in (12, 20, 28) if d % m == 0 and (d // m) & (d // m - 1) == 0)
+    return np.kron(paley_hadamard_ref(m), sylvester_hadamard(d // m))
+
+
 def rotation_matrix_ref(signs: np.ndarray) -> np.ndarray:
     """`Pi = H diag(signs) / sqrt(d)`, float64 `[d, d]`; rows act on column vectors."""
     d = signs.size
-    return sylvester_hadamard(d) * signs[None, :] / math.sqrt(d)
+    return hadamard_ref(d) * signs[None, :] / math.sqrt(d)
 
 
 def lloyd_max_mse_quadrature(codebook: np.ndarray) -> float:

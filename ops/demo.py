@@ -45,7 +45,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="buttermilk-demo-") as tmp:
         address = f"ipc://{Path(tmp) / 'gateway.sock'}"
         argv = [sys.executable, "-m", "services.cli", "serve", "--model", "default", "--address", address,
-                "--run-dir", str(Path(tmp) / "run"), *serve_flags]
+                "--run-dir", str(Path(tmp) / "run"), "--http-address", "off", *serve_flags]
         server = subprocess.Popen(argv)
         try:
             with Client(address) as client:

@@ -60,8 +60,8 @@ def fill_slot(core: EngineCore, view, num_tokens: int, *, seed: int) -> None:
                                             page_size=cache.page_size).reshape(-1).astype(np.int32))
         for layer, spec in enumerate(cache.layers):
             key, k_key, v_key = mx.random.split(key, 3)
-            shape = (1, cache.n_kv_heads, slots.shape[1], cache.head_dim)
-            new = pool_rows.encode(spec.fmt, mx.random.normal(shape, key=k_key).astype(dtype),
-                                   mx.random.normal(shape, key=v_key).astype(dtype))
+            shape = (1, cache.n_kv_heads, slots.shape[1])
+            new = pool_rows.encode(spec.fmt, mx.random.normal((*shape, spec.fmt.key_dim), key=k_key).astype(dtype),
+                                   mx.random.normal((*shape, spec.fmt.value_dim), key=v_key).astype(dtype))
             cache.storage.pools[layer] = pool_rows.write(cache.storage.pools[layer], rows, new)
         mx.eval(cache.arrays)

@@ -13,8 +13,10 @@ is its median ITL at N=1 minus each baseline's median per-token decode time.
 
     python -m ops.loadgen --start --concurrency 1,4,8          # starts `buttermilk serve` itself
     python -m ops.loadgen --address tcp://127.0.0.1:5555       # a server already running
+    python -m ops.loadgen --workload prefix --schemes all      # shared system prompt (ops/prefix_workload.py)
 
-Prints JSON and writes it to `ops/results/loadgen_<device>.json` (a benchmark, not a test).
+Prints JSON and writes it to `ops/results/loadgen_<device>.json` (the prefix workload:
+`loadgen_prefix_<device>.json`; a benchmark, not a test).
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def start_server(model: str, engines: int, extra: list[str]) -> tuple[subprocess
         sock.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
     argv = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--address", address,
-            "--engines", str(engines), *extra]  # fmt: skip
+            "--engines", str(engines), "--http-address", "off", *extra]  # fmt: skip
     proc = subprocess.Popen(argv, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -171,7 +173,18 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2, help="requests per stream, one after another")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--no-baseline", action="store_true", help="skip the in-process baselines")
+    parser.add_argument("--workload", choices=["streams", "prefix"], default="streams",
+                        help="streams: N streams of one prompt; prefix: clients sharing a system prompt")
+    parser.add_argument("--schemes", default="raw", help="prefix workload: comma-separated schemes, or all")
+    parser.add_argument("--clients", type=int, default=16, help="prefix workload: concurrent clients")
+    parser.add_argument("--system-tokens", type=int, default=1000, help="prefix workload: shared prompt tokens")
+    parser.add_argument("--rounds", type=int, default=2, help="prefix workload: rounds of all clients at once")
     args = parser.parse_args()
+    if args.workload == "prefix":
+        from ops import prefix_workload
+
+        write_report(prefix_workload.run(args), f"loadgen_prefix_{args.device.replace(':', '')}.json")
+        return
     if not args.address and not args.start:
         parser.error("give --address or --start")
 
@@ -197,10 +210,14 @@ def main() -> None:
                 name: round(single["itl_ms"]["p50"] - base["per_token_ms"], 2)
                 for name, base in report["in_process"].items()
             }
+    write_report(report, f"loadgen_{args.device.replace(':', '')}.json")
+
+
+def write_report(report: dict, name: str) -> None:
     text = json.dumps(report, indent=2)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"loadgen_{args.device.replace(':', '')}.json").write_text(text + "\n")
+    (RESULTS / name).write_text(text + "\n")
 
 
 if __name__ == "__main__":

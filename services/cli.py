@@ -20,6 +20,7 @@ COMMANDS = {
     "engine": "engine",
     "controller": "controller",
     "client": "client",
+    "pool-size": "pool_size",
 }
 
 

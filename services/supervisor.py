@@ -9,8 +9,9 @@ supervisor. The supervisor:
 - treats the death of the controller or gateway as fatal (exit 1), and any child exiting
   with status 2 (a configuration error, e.g. an unusable model or context) too (exit 2): it
   stops everything first;
-- on SIGINT/SIGTERM sends SIGTERM to every child's process group, waits `STOP_GRACE_S`, then
-  SIGKILLs what is left, and exits 0.
+- on SIGINT/SIGTERM stops the gateway first (it drains: running requests get the plan's
+  `drain_timeout_s`, and every open request gets its terminal message), then the engines and
+  the controller; each child's process group gets SIGTERM, then SIGKILL after its grace; exit 0.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from shared.protocol import EngineDead, Health, HealthOk, decode, encode
 
 PARENT_PID_ENV = "BUTTERMILK_PARENT_PID"
 POLL_S = 0.1
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 10.0  # after SIGTERM, before SIGKILL (the gateway gets its drain time on top)
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 EXIT_USAGE = 2  # a child's configuration error (cli.main's user-error status)
@@ -63,6 +64,8 @@ class SupervisorPlan:
     engines: tuple[ChildSpec, ...]
     controller_address: str  # to send `engine_dead`
     client_address: str  # to probe health until ready
+    drain_timeout_s: float = 5.0  # the gateway's drain grace at shutdown, seconds
+    http_address: str | None = None  # HOST:PORT of the gateway's HTTP API, for the ready line
 
 
 class Supervisor:
@@ -146,19 +149,25 @@ class Supervisor:
         self.log.info("started", service=spec.name, pid=proc.pid, epoch=epoch if spec.is_engine else None)
 
     def _stop_all(self) -> None:
-        """SIGTERM every child's process group, wait, then SIGKILL what is left."""
-        live = [c for c in self.children.values() if c.proc.poll() is None]
+        """Stop the gateway (it drains), then everything else; SIGKILL what outlives its grace."""
+        gateway = [c for c in self.children.values() if c.spec is self.plan.gateway]
+        self._stop_group(gateway, STOP_GRACE_S + self.plan.drain_timeout_s)
+        self._stop_group([c for c in self.children.values() if c.spec is not self.plan.gateway], STOP_GRACE_S)
+        for child in self.children.values():
+            _signal_group(child.proc, signal.SIGKILL)  # stragglers in its group, if any
+            child.proc.wait()
+
+    def _stop_group(self, children: list[Child], grace_s: float) -> None:
+        live = [c for c in children if c.proc.poll() is None]
         for child in live:
             _signal_group(child.proc, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        deadline = time.monotonic() + grace_s
         for child in live:
             try:
                 child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.log.warning("kill", service=child.spec.name, pid=child.proc.pid)
-        for child in self.children.values():
-            _signal_group(child.proc, signal.SIGKILL)  # stragglers in its group, if any
-            child.proc.wait()
+                _signal_group(child.proc, signal.SIGKILL)
 
     def _dealer(self, address: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -196,8 +205,10 @@ class Supervisor:
                 return False  # someone else answered (our gateway is gone): not ready
             self.log.info("ready", address=self.plan.client_address, engines=reply.engines_live)
             noun = "engine" if reply.engines_live == 1 else "engines"
+            http = self.plan.http_address
+            api = f"; OpenAI API on http://{http}/v1" if http and not http.endswith(":0") else ""
             print(f"buttermilk: serving on {self.plan.client_address} "
-                  f"({reply.engines_live} {noun})", file=sys.stderr, flush=True)  # fmt: skip
+                  f"({reply.engines_live} {noun}){api}", file=sys.stderr, flush=True)  # fmt: skip
             return True
         return False
 

@@ -39,6 +39,7 @@ from shared.protocol import (
     Generate,
     Health,
     HealthOk,
+    Keepalive,
     Lease,
     LeaseClose,
     LeaseOpen,
@@ -101,8 +102,8 @@ class ServerError(ButtermilkError):
                  request_id: str | None = None):  # fmt: skip
         super().__init__(message)
         self.code = code
-        self.retryable = code in {ErrorCode.OVERLOADED, ErrorCode.QUEUE_TIMEOUT,
-                                  ErrorCode.ENGINE_FAILED, ErrorCode.CAPACITY}  # fmt: skip
+        self.retryable = code in {ErrorCode.OVERLOADED, ErrorCode.QUEUE_TIMEOUT, ErrorCode.ENGINE_FAILED,
+                                  ErrorCode.CAPACITY, ErrorCode.UNAVAILABLE}  # fmt: skip
         self.retry_after_ms = retry_after_ms
         self.request_id = request_id
 
@@ -297,8 +298,9 @@ class AsyncClient:
         self.lease_id = None
         await self._control(LeaseClose(lease_id=lease_id))
 
-    async def close_session(self, session_id: str) -> None:
-        await self._control(SessionClose(session_id=session_id))
+    async def close_session(self, session_id: str, *, lease_id: str | None = None) -> None:
+        """Close a session; `lease_id` defaults to the open lease (its owner, if it has one)."""
+        await self._control(SessionClose(session_id=session_id, lease_id=lease_id or self.lease_id))
 
     async def health(self, timeout_s: float = CONTROL_TIMEOUT_S) -> HealthOk:
         return await self._control(Health(), timeout_s)
@@ -373,6 +375,8 @@ class AsyncClient:
                 msg = decode(frame, allowed=CLIENT_REPLY_TYPES)
             except ProtocolError:
                 self.num_orphans += 1
+                continue
+            if isinstance(msg, Keepalive):  # the gateway checking that we are still here
                 continue
             queue = self._queues.get(getattr(msg, "id", None) or "")
             if queue is None:

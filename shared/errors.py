@@ -21,6 +21,7 @@ class ErrorCode(StrEnum):
     LEASE_EXPIRED = "lease_expired"
     ENGINE_FAILED = "engine_failed"
     CANCELLED = "cancelled"
+    UNAVAILABLE = "unavailable"
     CAPACITY = "capacity"
     STALE_SLOT = "stale_slot"
     MODEL_NOT_FOUND = "model_not_found"
@@ -86,6 +87,13 @@ class EngineFailed(ButtermilkError):
     """The engine serving the request died; its reservations were dropped."""
 
     code = ErrorCode.ENGINE_FAILED
+    retryable = True
+
+
+class Unavailable(ButtermilkError):
+    """The server is shutting down, or a service it needs did not answer in time; retry later."""
+
+    code = ErrorCode.UNAVAILABLE
     retryable = True
 
 

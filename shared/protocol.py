@@ -46,6 +46,7 @@ from shared.protocol_base import (  # re-exported: this module is the one to imp
     MessageType,
     Pid,
     Prompt,
+    PrefixCacheUsage,
     PromptTokens,
     ProtocolError,
     Reason,
@@ -68,6 +69,7 @@ from shared.protocol_internal import (
     EngineGenerate,
     EngineSessionClose,
     EngineTokens,
+    GatewayHeartbeat,
     Geometry,
     Heartbeat,
     Hello,
@@ -149,6 +151,13 @@ class SessionClose(WireMessage):
     TYPE = MessageType.SESSION_CLOSE
     id: Id | None = None
     session_id: Id
+    lease_id: Id | None = None  # the session's lease; None: a session of this connection
+
+
+class Keepalive(WireMessage):
+    """Sent to a connection with requests in flight that heard nothing for a while; ignore it."""
+
+    TYPE = MessageType.KEEPALIVE
 
 
 class Health(WireMessage):
@@ -234,8 +243,10 @@ class EngineUsage(Struct):
     bytes_per_token: Count
     used_slots: Count = 0  # engine-reported (latest heartbeat): slots held, sessions included
     max_slots: Count = 0
+    reserved_slots: Count = 0  # the controller's count: sessions + requests without one
     engine_tokens: Count = 0  # engine-reported: KV tokens its cache holds now
     pid: Pid | None = None  # the engine's OS process id
+    prefix_cache: PrefixCacheUsage | None = None  # engine-reported (latest heartbeat)
 
 
 class StatsReply(WireMessage):
@@ -252,7 +263,8 @@ Message = (
     Generate | Cancel | LeaseOpen | LeaseRenew | LeaseClose | SessionClose | Health | Stats
     | Token | Done | Error | Lease | LeaseClosed | SessionClosed | HealthOk | StatsReply
     | Hello | EngineGenerate | EngineTokens | EngineFinished | EngineAbort | EngineSessionClose
-    | Heartbeat | Reserve | Reserved | Reconcile | Release | EngineDead | Revoked
+    | Heartbeat | Reserve | Reserved | Reconcile | Release | EngineDead | Revoked | Keepalive
+    | GatewayHeartbeat
 )  # fmt: skip
 MODELS: dict[MessageType, type[WireMessage]] = {cls.TYPE: cls for cls in Message.__args__}
 T = MessageType
@@ -263,7 +275,7 @@ CLIENT_TYPES = frozenset(
 )  # fmt: skip
 CLIENT_REPLY_TYPES = frozenset(
     {T.TOKEN, T.DONE, T.ERROR, T.LEASE, T.LEASE_CLOSED, T.SESSION_CLOSED, T.HEALTH_OK,
-     T.STATS_REPLY}
+     T.STATS_REPLY, T.KEEPALIVE}
 )  # fmt: skip
 ENGINE_CMD_TYPES = frozenset({T.HELLO, T.HEARTBEAT})  # engines → gateway "engine-cmd"
 ENGINE_OUT_TYPES = frozenset({T.ENGINE_TOKENS, T.ENGINE_FINISHED})  # engines → gateway "engine-out"
@@ -272,7 +284,7 @@ ENGINE_TYPES = frozenset(  # what engines accept from the gateway and the contro
 )
 CONTROLLER_TYPES = frozenset(
     {T.HELLO, T.HEARTBEAT, T.RECONCILE, T.RESERVE, T.RELEASE, T.LEASE_OPEN, T.LEASE_RENEW,
-     T.LEASE_CLOSE, T.SESSION_CLOSE, T.STATS, T.ENGINE_DEAD}
+     T.LEASE_CLOSE, T.SESSION_CLOSE, T.STATS, T.ENGINE_DEAD, T.GATEWAY_HEARTBEAT}
 )  # fmt: skip
 FROM_CONTROLLER_TYPES = frozenset(
     {T.RESERVED, T.ERROR, T.LEASE, T.LEASE_CLOSED, T.SESSION_CLOSED, T.STATS_REPLY, T.REVOKED,
@@ -302,7 +314,13 @@ def decode(frame: bytes, allowed: frozenset[MessageType] | None = None) -> Messa
         ProtocolError: oversized frame, not msgpack, not a map, missing or unsupported `v`,
             unknown or disallowed `type`, or a field that fails validation (named in the message).
     """
-    payload = _unpack_map(frame)
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES} bytes")
+    try:
+        payload = _unpack_map(frame)
+    except ProtocolError as exc:
+        exc.request_id = readable_id(frame)
+        raise
     request_id = _valid_id(payload.get("id"))
     version = payload.get("v")
     if type(version) is not int:  # bool is an int subclass, so not isinstance
@@ -339,9 +357,30 @@ def error_reply(exc: BaseException, request_id: str | None) -> Error:
     return Error(id=rid, code=exc.code, message=message, retry_after_ms=retry_after_ms)
 
 
+def readable_id(frame: bytes) -> str | None:
+    """The top-level `id` of a frame that does not decode strictly, when it can still be read.
+
+    Reads the top map's entries in order, leniently (invalid UTF-8 and non-string keys
+    allowed elsewhere), until `id` or the first unreadable entry; a truncated frame keeps the
+    entries before the cut.
+    """
+    unpacker = msgpack.Unpacker(raw=False, unicode_errors="surrogateescape", strict_map_key=False,
+                                max_buffer_size=len(frame) + 1)  # fmt: skip
+    unpacker.feed(frame)
+    try:
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key == "id":
+                value = unpacker.unpack()
+                value.encode("utf-8")  # an id with invalid UTF-8 (surrogates here) is unreadable
+                return _valid_id(value)
+            unpacker.skip()
+    except Exception:  # msgpack raises several unrelated types; any of them means "unreadable"
+        return None
+    return None
+
+
 def _unpack_map(frame: bytes) -> dict:
-    if len(frame) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES} bytes")
     try:
         payload = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:

@@ -13,8 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from shared.errors import BadRequest, ErrorCode
 
 SCHEMA_VERSION = 1
-MAX_FRAME_BYTES = 4 * 1024 * 1024  # a larger frame is rejected before it is unpacked
 MAX_PROMPT_CHARS = 1024 * 1024  # prompt, or all message contents together, in characters
+# Every valid message fits: the largest is a prompt of MAX_PROMPT_CHARS 4-byte characters
+# (4 MiB) with every other field at its limit (under 64 KiB). Larger frames are cut at the
+# socket (ZMQ_MAXMSGSIZE) and, if they get that far, rejected before they are unpacked.
+MAX_FRAME_BYTES = 5 * 1024 * 1024
 MAX_PROMPT_TOKENS = 256 * 1024  # length of `token_ids` in a generate
 MAX_MESSAGES = 1024  # chat messages in one generate
 MAX_TOKENS_LIMIT = 1024 * 1024  # largest `max_tokens` accepted; the gateway caps it further
@@ -63,6 +66,8 @@ class MessageType(StrEnum):
     RELEASE = "release"  # gateway → controller
     ENGINE_DEAD = "engine_dead"  # supervisor, gateway, engine → controller; controller → gateway, engine
     REVOKED = "revoked"  # controller → gateway
+    KEEPALIVE = "keepalive"  # gateway → client: nothing to say yet (detects a gone connection)
+    GATEWAY_HEARTBEAT = "gateway_heartbeat"  # gateway → controller: which gateway instance is live
 
 
 class FinishReason(StrEnum):
@@ -117,4 +122,14 @@ class WireMessage(Struct):
 class Usage(Struct):
     prompt_tokens: Count  # the whole context before decoding, cached tokens included
     completion_tokens: Count
-    cached_tokens: Count = 0  # prompt tokens reused from the session's KV, not recomputed
+    cached_tokens: Count = 0  # prompt tokens reused (session KV or prefix cache), not recomputed
+
+
+class PrefixCacheUsage(Struct):
+    """An engine's prefix cache: what it holds now, and its activity since the engine started."""
+
+    cached_tokens: Count = 0  # token slots of cached pages (K/V written), held by requests or not
+    evictable_tokens: Count = 0  # of them, in pages no request holds (free to reclaim)
+    query_tokens: Count = 0  # prompt tokens looked up at admission
+    hit_tokens: Count = 0  # of them, tokens reused instead of computed (hit rate = hit / query)
+    evicted_tokens: Count = 0  # token slots of cached pages reclaimed for new K/V

@@ -21,6 +21,7 @@ from shared.protocol_base import (
     MaxTokens,
     MessageType,
     Pid,
+    PrefixCacheUsage,
     PromptTokens,
     Reason,
     Seed,
@@ -44,6 +45,7 @@ class Geometry(Struct):
     kv_cache: Annotated[str, Field(min_length=1, max_length=32)]  # raw, affine8, aura4v2, ...
     max_context: Positive  # tokens per sequence
     window_tokens: Positive | None = None  # sliding window on every layer: most KV tokens kept
+    state_bytes_per_slot: Count = 0  # recurrent state of one slot (hybrid models), allocated for every slot
 
 
 class Hello(WireMessage):
@@ -73,6 +75,10 @@ class EngineGenerate(WireMessage):
     token_ids: PromptTokens
     sampling: SamplingParams
     session_id: Id | None = None  # keep the KV after finishing; positions continue
+    # A continued turn: the session's history as the client was told it (prompts + reported
+    # completions), tokens. The engine first cuts what it holds beyond that (e.g. tokens
+    # generated after a stop string matched, before the abort landed).
+    session_tokens: Count | None = None
 
 
 class TokenChunk(Struct):
@@ -124,6 +130,8 @@ class Heartbeat(WireMessage):
     bytes_used: Count = 0
     used_slots: Count = 0  # slots held, sessions between turns included
     num_sessions: Count = 0  # sessions kept between turns
+    capacity_tokens: Count = 0  # KV token slots of its cache (0: not reported)
+    prefix_cache: PrefixCacheUsage | None = None  # None: the engine has no prefix cache
 
 
 class Reserve(WireMessage):
@@ -160,6 +168,17 @@ class EngineDead(WireMessage):
     TYPE = MessageType.ENGINE_DEAD
     engine_id: Id
     epoch: Epoch
+
+
+class GatewayHeartbeat(WireMessage):
+    """The gateway instance speaking on this connection; sent first and every 0.5 s.
+
+    Reservations, leases and sessions belong to the instance that made them; they are
+    released when another instance takes over the connection or this one falls silent.
+    """
+
+    TYPE = MessageType.GATEWAY_HEARTBEAT
+    gateway_id: Id
 
 
 class Revoked(WireMessage):

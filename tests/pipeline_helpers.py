@@ -22,10 +22,14 @@ SERVER_FLAGS = ("--capacity-tokens", "4096", "--max-slots", "8", "--step-token-b
 MAX_CONTEXT = 256
 
 
-def free_tcp_address() -> str:
+def free_tcp_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        return sock.getsockname()[1]
+
+
+def free_tcp_address() -> str:
+    return f"tcp://127.0.0.1:{free_tcp_port()}"
 
 
 def child_pids(pid: int) -> list[int]:
@@ -60,25 +64,29 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, poll_
 
 @dataclass
 class Server:
-    """A `buttermilk serve` process and where to reach it."""
+    """A `buttermilk serve` process and where to reach it (ZeroMQ `address`, HTTP `http_url`)."""
 
     proc: subprocess.Popen
     address: str
     run_dir: Path
     log_path: Path
     num_engines: int
+    http_url: str = ""  # e.g. http://127.0.0.1:41234 (the OpenAI API is under /v1)
     children: list[int] = field(default_factory=list)
 
     @classmethod
-    def start(cls, tmp: Path, *flags: str, engines: int = 1, model: str = "default") -> Server:
+    def start(cls, tmp: Path, *flags: str, engines: int = 1, model: str = "default",
+              base_flags: tuple[str, ...] = SERVER_FLAGS) -> Server:
         address = free_tcp_address()
+        http = f"127.0.0.1:{free_tcp_port()}"
         run_dir = tmp / "run"
         log_path = tmp / "serve.log"
         argv = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--address", address,
-                "--engines", str(engines), "--run-dir", str(run_dir), *SERVER_FLAGS, *flags]  # fmt: skip
+                "--engines", str(engines), "--run-dir", str(run_dir), "--http-address", http, *base_flags,
+                *flags]  # fmt: skip
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        server = cls(proc, address, run_dir, log_path, engines)
+        server = cls(proc, address, run_dir, log_path, engines, http_url=f"http://{http}")
         server.wait_ready()
         server.children = child_pids(proc.pid)
         return server

@@ -1,8 +1,11 @@
-"""Every scheme x {full attention, window} x {default model, tiny random llama}.
+"""Every scheme x {full attention, window} x {default model, tiny random llama, tiny hybrid}.
 
 For each combination: generation runs (chunked prefill that wraps the window, then greedy
 decode), the state saved to disk and loaded continues with identical logits, and `nbytes`
-equals the byte count derived by hand from CACHES.md "Bytes per token". On the default model
+equals the byte count derived by hand from CACHES.md "Bytes per token" (the hybrid's
+recurrent state: from its config). The hybrid (falcon_h1: Mamba2 and attention in every
+layer, one `CacheGroup` per layer) also runs in the engine, whose tokens equal the
+single-sequence caches' under every scheme and window. On the default model
 each scheme also holds a quality floor against the raw cache on real text (teacher-forced;
 the raw log-probabilities are computed once for the module).
 """
@@ -16,13 +19,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.engine.cache import CacheOptions, Window, make_layer_caches
+from services.engine.cache import CacheOptions, KVCache, Window, make_layer_caches
 from services.engine.cache.persist import load_caches, save_caches
+from services.engine.cache.recurrent import leaf_caches
 from services.engine.cache.report import bits_per_element
 from services.engine.cache.schemes import SCHEMES
+from services.engine.request import Request
+from services.engine.sampling import SamplingParams
 from services.eval.corpus import corpus_token_ids
 from services.eval.kv_eval import score_chunks
 from services.eval.metrics import logprob_chunks
+from tests.hybrid_models import CONFIGS, loaded_hybrid, make_hybrid, uncompiled
 
 MATRIX_SCHEMES = (*SCHEMES, "aura5v3")
 WINDOWS = {"full": None, "window64": Window(64, 4)}
@@ -65,8 +72,15 @@ def prompt_for(name: str, model_fixture) -> list[int]:
 PARAMS = [
     pytest.param((model, scheme, window), id=f"{model}-{scheme}-{window}",
                  marks=[pytest.mark.model] if model == "default" else [])
-    for model in ("tiny", "default") for scheme in MATRIX_SCHEMES for window in WINDOWS
+    for model in ("tiny", "hybrid", "default") for scheme in MATRIX_SCHEMES for window in WINDOWS
 ]
+HYBRID = "falcon_h1"
+HYBRID_HEAD_DIM = 64  # every scheme stores it (affine groups of 64, AURA's power-of-two rotation)
+
+
+@pytest.fixture(scope="module")
+def tiny_hybrid():
+    return make_hybrid(HYBRID, head_dim=HYBRID_HEAD_DIM, amplify=True)
 
 
 @pytest.fixture(scope="module", params=PARAMS)
@@ -74,19 +88,35 @@ def run(request) -> Run:
     """Prefill 100 tokens in chunks of 48 (a window of 64 wraps), then 3 greedy decode steps."""
     name, scheme, window_name = request.param
     loaded = request.getfixturevalue("default_model") if name == "default" else None
-    model = loaded.model if loaded else request.getfixturevalue("tiny_llama")
+    model = loaded.model if loaded else request.getfixturevalue("tiny_hybrid" if name == "hybrid" else "tiny_llama")
     window = WINDOWS[window_name]
     caches = make_layer_caches(model, CacheOptions(scheme=scheme, max_context=512, window=window))
     tokens = mx.array(prompt_for(name, loaded))[None]
-    for start in range(0, PROMPT_TOKENS, PREFILL_CHUNK):
-        logits = model(tokens[:, start : start + PREFILL_CHUNK], cache=caches)
-    generated = []
-    for _ in range(DECODE_STEPS):
-        generated.append(int(mx.argmax(logits[0, -1]).item()))
-        logits = model(mx.array([generated[-1:]]), cache=caches)
-    attn = model.layers[0].self_attn
-    head_dim = attn.k_proj.weight.shape[0] // attn.n_kv_heads
-    return Run(model, caches, generated, logits, head_dim, attn.n_kv_heads, logits.shape[-1], scheme, window)
+    with uncompiled():
+        for start in range(0, PROMPT_TOKENS, PREFILL_CHUNK):
+            logits = model(tokens[:, start : start + PREFILL_CHUNK], cache=caches)
+        generated = []
+        for _ in range(DECODE_STEPS):
+            generated.append(int(mx.argmax(logits[0, -1]).item()))
+            logits = model(mx.array([generated[-1:]]), cache=caches)
+    if name == "hybrid":
+        head_dim, n_kv_heads = HYBRID_HEAD_DIM, CONFIGS[HYBRID]["num_key_value_heads"]
+    else:
+        attn = model.layers[0].self_attn
+        head_dim, n_kv_heads = attn.k_proj.weight.shape[0] // attn.n_kv_heads, attn.n_kv_heads
+    return Run(model, caches, generated, logits, head_dim, n_kv_heads, logits.shape[-1], scheme, window)
+
+
+def kv_caches(run: Run) -> list[KVCache]:
+    return [c for c in leaf_caches(run.caches) if isinstance(c, KVCache)]
+
+
+def hand_state_bytes() -> int:
+    """One falcon_h1 layer's Mamba2 state (float32): conv window (d_conv - 1) x conv channels,
+    SSM state heads x d_head x d_state."""
+    c = CONFIGS[HYBRID]
+    conv = (c["mamba_d_conv"] - 1) * (c["mamba_d_ssm"] + 2 * c["mamba_n_groups"] * c["mamba_d_state"])
+    return 4 * (conv + c["mamba_n_heads"] * c["mamba_d_head"] * c["mamba_d_state"])
 
 
 def test_generation_runs(run):
@@ -94,14 +124,16 @@ def test_generation_runs(run):
     live = total if run.window is None else run.window.max_size
     assert all(0 <= t < run.vocab for t in run.generated)
     assert np.isfinite(np.array(run.last_logits)).all()
-    assert [(c.offset, c.num_live) for c in run.caches] == [(total, live)] * len(run.caches)
+    assert [(c.offset, c.num_live) for c in kv_caches(run)] == [(total, live)] * len(kv_caches(run))
 
 
 def test_nbytes_equals_hand_formula(run):
-    key_bytes, value_bytes = hand_token_bytes(run.scheme, run.head_dim, 4)  # both models run float32 here
-    for cache in run.caches:
+    key_bytes, value_bytes = hand_token_bytes(run.scheme, run.head_dim, 4)  # every model runs float32 here
+    for cache in kv_caches(run):
         assert cache.nbytes == cache.num_live * run.n_kv_heads * (key_bytes + value_bytes)
         assert cache.capacity_nbytes == cache.capacity * run.n_kv_heads * (key_bytes + value_bytes)
+    for cache in (c for c in leaf_caches(run.caches) if not isinstance(c, KVCache)):
+        assert cache.nbytes == hand_state_bytes()  # recurrent state: fixed, never quantized
     assert bits_per_element(run.caches) == 8 * (key_bytes + value_bytes) / (2 * run.head_dim)
 
 
@@ -109,12 +141,32 @@ def test_save_load_continues_with_identical_logits(run, tmp_path):
     path = save_caches(tmp_path / "state", run.caches, metadata={"scheme": run.scheme})
     loaded, metadata = load_caches(path)
     assert metadata == {"scheme": run.scheme}
-    assert [c.meta_state for c in loaded] == [c.meta_state for c in run.caches]
+    assert [c.meta_state for c in leaf_caches(loaded)] == [c.meta_state for c in leaf_caches(run.caches)]
     assert [c.nbytes for c in loaded] == [c.nbytes for c in run.caches]
-    for token in NEXT_TOKENS:
-        want = run.model(mx.array([[token]]), cache=run.caches)
-        got = run.model(mx.array([[token]]), cache=loaded)
-        np.testing.assert_array_equal(np.array(got), np.array(want))
+    with uncompiled():
+        for token in NEXT_TOKENS:
+            want = run.model(mx.array([[token]]), cache=run.caches)
+            got = run.model(mx.array([[token]]), cache=loaded)
+            np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+@pytest.mark.parametrize("window_name", WINDOWS)
+@pytest.mark.parametrize("scheme", MATRIX_SCHEMES)
+def test_hybrid_engine_equals_single_sequence(tiny_hybrid, scheme, window_name):
+    """The engine (paged K/V in the scheme, per-slot recurrent state) gives each of three
+    concurrent requests the tokens the single-sequence caches give it alone."""
+    from tests.test_engine_core import drive, greedy, make_core, random_prompts
+
+    window = WINDOWS[window_name]
+    options = CacheOptions(scheme=scheme, max_context=512, window=window)
+    prompts, max_tokens = random_prompts([70, 5, 23], seed=13), [12, 9, 14]
+    with uncompiled():
+        core = make_core(loaded_hybrid(tiny_hybrid), scheme=scheme, window=window, max_context=512)
+        arrivals = {2 * i: [Request(f"r{i}", p, SamplingParams(max_tokens=n))]
+                    for i, (p, n) in enumerate(zip(prompts, max_tokens))}
+        results = drive(core, arrivals)
+        for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+            assert results[f"r{i}"]["tokens"] == greedy(tiny_hybrid, options, prompt, n), f"r{i}"
 
 
 # Floors on the default model, 512 Lee-corpus tokens in chunks of 128 (a shorter run than the

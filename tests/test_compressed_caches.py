@@ -188,25 +188,56 @@ def test_malformed_layer_overrides_are_rejected(scheme):
         layer_parts(scheme, layer=0, dtype=mx.float32)
 
 
-@pytest.mark.parametrize("scheme, head_dim, reason", [
-    ("affine8", 80, "group size 64 does not divide head_dim 80"),
-    ("affine8", 96, "group size 64 does not divide head_dim 96"),
-    ("affine4", 80, "group size 32 does not divide head_dim 80"),
-    ("aura4v4", 96, "power-of-two head_dim"),
-    ("aura4v4+2=raw", 192, "power-of-two head_dim"),
-])
-def test_a_scheme_that_cannot_store_a_geometry_is_refused_at_configuration(scheme, head_dim, reason):
-    """Issue 11.15: caught when the engine or generate is configured, not at the first prefill."""
+def _settings(scheme: str, **kwargs):
+    from shared.settings import ModelSettings
+
+    return ModelSettings(kv_cache=scheme, **kwargs)
+
+
+def _loaded(model):
     from pathlib import Path
 
     from services.engine.model.loader import LoadedModel
+
+    return LoadedModel(model=model, tokenizer=None, path=Path("x"), config={"max_position_embeddings": 4096})
+
+
+@pytest.mark.parametrize("scheme", ["affine8", "affine4", "aura4v4", "aura5v3", "aura4v4+1=affine6"])
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_geometries_beyond_powers_of_two_are_served(scheme, head_dim):
+    """Issue 13.5: head_dim 80 and 96 under AURA (Hadamard orders 20 * 4, 12 * 8) and affine (tail groups)."""
+    from services.engine.runtime import cache_options
+
+    model = make_tiny_llama(head_dim=head_dim)
+    assert cache_options(_settings(scheme), _loaded(model)).scheme == scheme
+
+
+@pytest.mark.parametrize("scheme, raw_layers, refused", [
+    ("aura4v4", [], "layer 0 \\(aura4v4\\): AURA needs a Hadamard rotation of head_dim 72"),
+    ("aura4v4+0=raw", [], "layer 1 \\(aura4v4\\)"),
+    ("affine4+1=aura8v8", [], "layer 1 \\(aura8v8\\): AURA"),
+    ("aura4v4", [0, 1], None),  # every layer raw
+    ("affine8", [], None),  # affine stores any width (a tail group of 8)
+])
+def test_a_scheme_that_cannot_store_a_geometry_is_refused_at_configuration(scheme, raw_layers, refused):
+    """Issue 11.15: caught when the engine or generate is configured, not at the first prefill.
+    head_dim 72 = 9 * 8 has no Hadamard matrix: AURA is refused there, layer by layer."""
     from services.engine.runtime import cache_options
     from shared.errors import BadRequest
-    from shared.settings import ModelSettings
 
-    config = {"num_hidden_layers": 4, "num_attention_heads": 8, "hidden_size": 8 * head_dim, "head_dim": head_dim,
-              "max_position_embeddings": 4096}
-    loaded = LoadedModel(model=None, tokenizer=None, path=Path("x"), config=config)
-    with pytest.raises(BadRequest, match=reason):
-        cache_options(ModelSettings(kv_cache=scheme), loaded)
-    cache_options(ModelSettings(kv_cache="raw"), loaded)  # raw stores any head_dim
+    loaded = _loaded(make_tiny_llama(head_dim=72))
+    if refused is None:
+        cache_options(_settings(scheme, kv_raw_layers=raw_layers), loaded)
+        return
+    with pytest.raises(BadRequest, match=refused):
+        cache_options(_settings(scheme, kv_raw_layers=raw_layers), loaded)
+
+
+def test_the_gateway_checks_scheme_names_without_weights():
+    from services.engine.runtime import cache_options
+    from shared.errors import BadRequest
+
+    loaded = _loaded(None)
+    assert cache_options(_settings("aura4v4"), loaded).scheme == "aura4v4"
+    with pytest.raises(BadRequest, match="unknown KV cache scheme"):
+        cache_options(_settings("aura9v9"), loaded)

@@ -280,8 +280,8 @@ def test_geometry_and_stats_describe_capacity(tiny_llama):
     core = make_core(tiny_loaded(tiny_llama), capacity_tokens=100, page_size=16)
     assert core.geometry == {
         "n_layers": 2, "n_kv_heads": 2, "head_dim": 64, "dtype": "float32", "kv_cache": "raw", "page_size": 16,
-        "capacity_tokens": 96, "bytes_per_token": 2 * 2 * 2 * 64 * 4, "max_slots": 8, "max_context": 4096,
-        "window_tokens": None,
+        "capacity_tokens": 96, "bytes_per_token": 2 * 2 * 2 * 64 * 4, "state_bytes_per_slot": 0, "max_slots": 8,
+        "max_context": 4096, "window_tokens": None,
     }
     core.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=3)))
     core.step()
@@ -326,13 +326,14 @@ def test_request_status_maps_to_finish_reasons_and_outputs_are_read_only():
 def test_identical_requests_get_identical_tokens_whatever_the_budget_splits(default_model):
     """Issue 11.16: 8 copies of a 34-token chat prompt, aura4v4, a 256-token step budget. The budget
     fits 7 whole prompts in the first step; the 8th waits for its own chunk rather than being cut
-    18 + 16 (its keys, and so its codes, would differ from the others' by rounding)."""
+    18 + 16 (its keys, and so its codes, would differ from the others' by rounding). The prefix
+    cache is off: it would map the shared pages instead of computing them."""
     tokenizer = default_model.tokenizer
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "List three fruits."}],
                                            add_generation_prompt=True)
     assert len(prompt) == 34
     core = EngineCore(default_model, CacheOptions(scheme="aura4v4", max_context=256), capacity_tokens=8 * 64,
-                      max_slots=8, step_token_budget=256)
+                      max_slots=8, step_token_budget=256, prefix_cache=False)
     chunks = []
     schedule = core.scheduler.schedule
     core.scheduler.schedule = lambda: (plan := schedule(), chunks.extend(c.num_tokens for c in plan.prefills))[0]

@@ -7,6 +7,8 @@ with the importer's `mx.load` + `mx.dequantize` path.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from services.engine.model import gguf as gguf_importer
 from services.engine.model import paths as model_paths
 from services.engine.model.gguf import convert_gguf
 from services.engine.model.paths import default_gguf_path, resolve_model
+from services.engine.sampling import SamplingParams
 from shared.errors import ModelNotFound
 
 pytestmark = pytest.mark.model
@@ -257,3 +260,62 @@ def test_resolve_model_caches_and_rejects(tmp_path, monkeypatch, converted):
     assert resolve_model(str(converted)) == converted
     with pytest.raises(ModelNotFound, match="no such file"):
         resolve_model(str(tmp_path / "missing"))
+
+
+# ---- issue 11 item 12: tokenizer settings that change encoding or stopping ----------------
+
+IM_END, ENDOFTEXT, IM_START = 2, 0, 1  # SmolLM2's <|im_end|>, <|endoftext|>, <|im_start|>
+
+
+def convert_with(tmp: Path, **overrides) -> Path:
+    """The default GGUF converted with some `tokenizer.ggml.*` metadata overridden."""
+    real = gguf_importer.read_gguf
+
+    def read(path):
+        contents = real(path)
+        meta = {**contents.meta, **{f"tokenizer.ggml.{k}": v for k, v in overrides.items()}}
+        return dataclasses.replace(contents, meta=meta)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_importer, "read_gguf", read)
+        return convert_gguf(default_gguf_path(), tmp / "model", dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def eot_model(tmp_path_factory) -> Path:
+    """End of turn differs from EOS (as in Llama 3 GGUFs), and BOS is to be added."""
+    return convert_with(tmp_path_factory.mktemp("eot"), eos_token_id=ENDOFTEXT, eot_token_id=IM_END,
+                        add_bos_token=True)  # fmt: skip
+
+
+def test_end_of_turn_and_eos_both_stop_and_bos_is_added(eot_model):
+    from mlx_lm.utils import load_config, load_tokenizer
+
+    config = load_config(eot_model)
+    assert config["eos_token_id"] == [ENDOFTEXT, IM_END]
+    assert json.loads((eot_model / "generation_config.json").read_text())["eos_token_id"] == [ENDOFTEXT, IM_END]
+    tokenizer = load_tokenizer(eot_model, eos_token_ids=config["eos_token_id"])
+    assert set(tokenizer.eos_token_ids) == {ENDOFTEXT, IM_END}
+    assert tokenizer.encode("hi there") == [IM_START, *tokenizer.encode("hi there", add_special_tokens=False)]
+
+
+def test_a_chat_answer_ends_at_the_end_of_turn(eot_model):
+    from services.engine.cache import CacheOptions, make_layer_caches
+    from services.engine.generate import GenerationStats, generate
+    from services.engine.model.loader import load_model
+
+    loaded = load_model(str(eot_model))
+    prompt = list(loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                       add_generation_prompt=True, tokenize=False))  # fmt: skip
+    ids = loaded.tokenizer.encode("".join(prompt), add_special_tokens=False)
+    stats = GenerationStats()
+    text = "".join(generate(loaded.model, loaded.tokenizer, ids, make_layer_caches(loaded.model, CacheOptions()),
+                            SamplingParams(max_tokens=64), max_context=8192, stats=stats))  # fmt: skip
+    assert stats.finish_reason == "stop" and stats.token_ids[-1] == IM_END, text
+    assert "Paris" in text and "<|im_start|>" not in text
+
+
+def test_encoding_settings_it_cannot_carry_are_refused(tmp_path):
+    with pytest.raises(ModelNotFound, match="add_sep_token"):
+        convert_with(tmp_path, add_sep_token=True)
+    assert not (tmp_path / "model").exists()

@@ -6,6 +6,7 @@ Max (1960) for the Lloyd-Max tables.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import mlx.core as mx
@@ -33,7 +34,7 @@ from kernels.aura import (
     unpack_bits,
 )
 from kernels.lloyd_max import lloyd_max_codebook, lloyd_max_mse, lloyd_max_thresholds
-from kernels.rotation import RandomizedHadamard, hadamard_signs
+from kernels.rotation import RandomizedHadamard, hadamard_matrix, hadamard_signs, supports_head_dim
 
 UNIT_ROUNDOFF = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8, mx.float32: 2.0**-24}
 
@@ -136,8 +137,11 @@ def rotation_as_matrix(rotation: RandomizedHadamard) -> np.ndarray:
     return to_np(rotation.forward(mx.eye(rotation.head_dim))).T
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_rotation_is_orthogonal_and_equals_sylvester_reference(head_dim):
+NON_POWER_OF_TWO = [80, 96, 192]  # phi-2, phi-3, DeepSeek-V2 keys: 20 * 4, 12 * 8, 12 * 16
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, *NON_POWER_OF_TWO, 112])
+def test_rotation_is_orthogonal_and_equals_hadamard_reference(head_dim):
     rotation = RandomizedHadamard(head_dim, seed=3)
     matrix = rotation_as_matrix(rotation)
     np.testing.assert_allclose(matrix.T @ matrix, np.eye(head_dim), atol=1e-5)
@@ -147,7 +151,7 @@ def test_rotation_is_orthogonal_and_equals_sylvester_reference(head_dim):
     np.testing.assert_allclose(inverse, expected.T, atol=1e-6)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, *NON_POWER_OF_TWO])
 def test_rotation_round_trip_and_norm(head_dim):
     rotation = RandomizedHadamard(head_dim, seed=11)
     x_np = kv_like((2, 3, 17, head_dim))
@@ -182,10 +186,28 @@ def test_rotation_signs_are_seeded_and_stable():
     assert set(np.unique(hadamard_signs(128, 1))) == {-1.0, 1.0}
 
 
-@pytest.mark.parametrize("head_dim, seed", [(48, 0), (0, 0), (16384, 0), (64, -1), (64, 1.5)])
+@pytest.mark.parametrize("head_dim, seed", [(72, 0), (120, 0), (0, 0), (16384, 0), (1280, 0), (64, -1), (64, 1.5)])
 def test_rotation_rejects_bad_arguments(head_dim, seed):
+    """72 = 9 * 8 and 120 = 15 * 8 have no Hadamard matrix here (mx.hadamard_transform returns
+    garbage for them rather than raising); 1280 = 20 * 64 would be a 6.5 MB dense matrix."""
     with pytest.raises(ValueError):
         RandomizedHadamard(head_dim, seed)
+
+
+def test_hadamard_matrices_of_every_supported_order_are_hadamard():
+    orders = [d for d in range(1, 1025) if supports_head_dim(d) and d & (d - 1)]
+    assert orders[:8] == [12, 20, 24, 28, 40, 48, 56, 80] and 96 in orders and 192 in orders
+    for d in orders:
+        h = hadamard_matrix(d)
+        assert set(np.unique(h)) == {-1.0, 1.0}, d
+        np.testing.assert_array_equal(h @ h.T, d * np.eye(d), err_msg=str(d))
+
+
+def test_hadamard_matrices_are_pinned():
+    """Part of the stored format: the rows of H_12, H_20, H_28 (a change invalidates stored AURA caches)."""
+    digest = {m: hashlib.sha256(np.packbits(hadamard_matrix(m) > 0).tobytes()).hexdigest()[:16] for m in (12, 20, 28)}
+    assert digest == {12: "1c475cc60159bdd7", 20: "aa2bc16404d65699", 28: "3922f1bda34d8791"}
+    np.testing.assert_array_equal(hadamard_matrix(80), np.kron(hadamard_matrix(20), hadamard_matrix(4)))
 
 
 def test_rotation_rejects_wrong_last_axis():
@@ -275,11 +297,53 @@ def test_affine_default_group_sizes():
 
 @pytest.mark.parametrize(
     "bits, group_size, head_dim, match",
-    [(7, 64, 64, "bits"), (1, 64, 64, "bits"), (4, 48, 96, "group_size"), (8, 64, 96, "divisible")],
+    [(7, 64, 64, "bits"), (1, 64, 64, "bits"), (4, 48, 96, "group_size"), (4, 16, 80, "group_size")],
 )
 def test_affine_rejects_bad_arguments(bits, group_size, head_dim, match):
     with pytest.raises(ValueError, match=match):
         affine_quantize(mx.zeros((1, 1, 2, head_dim)), bits=bits, group_size=group_size)
+
+
+@pytest.mark.parametrize("bits", AFFINE_BITS)
+def test_affine_tail_group_equals_mlx_on_that_group(bits):
+    """head_dim 96 at group 64: a full group then a tail of 32, which MLX can quantize on its own."""
+    x = mx.array(kv_like((2, 3, 8, 96), seed=bits).astype(np.float32))
+    codes = affine_quantize(x, bits=bits, group_size=64)
+    head = mx.quantize(x[..., :64], group_size=64, bits=bits)
+    tail = mx.quantize(x[..., 64:], group_size=32, bits=bits)
+    for ours, theirs in zip(codes, (mx.concatenate([a, b], axis=-1) for a, b in zip(head, tail))):
+        assert mx.array_equal(ours, theirs).item()
+
+
+@pytest.mark.parametrize("bits", AFFINE_BITS)
+@pytest.mark.parametrize("head_dim, group_size", [(80, 64), (80, 32), (40, 64), (192, 128)])
+def test_affine_tail_group_is_nearest_grid_point_of_its_own_range(bits, head_dim, group_size):
+    """A tail group (80 at 64 or 32: 16 elements; 40 at 64: all of it) gets the scale and bias of
+    its own min and max; dequantization agrees with the float64 reference; padding bits are zero."""
+    x_np = kv_like((2, 2, 16, head_dim), seed=head_dim + bits).astype(np.float32)
+    codes = affine_quantize(mx.array(x_np), bits=bits, group_size=group_size)
+    groups = math.ceil(head_dim / group_size)
+    assert codes.packed.shape[-1] == math.ceil(head_dim * bits / 32) and codes.scales.shape[-1] == groups
+    x_hat = to_np(affine_dequantize(codes, bits=bits, group_size=group_size, dtype=mx.float32, head_dim=head_dim))
+    expected = ref.affine_dequantize_ref(np.array(codes.packed), to_np(codes.scales), to_np(codes.biases), bits,
+                                         group_size, head_dim)
+    np.testing.assert_allclose(x_hat, expected, rtol=0, atol=4 * UNIT_ROUNDOFF[mx.float32] * np.abs(x_np).max())
+    member = np.arange(head_dim) // group_size
+    for g in range(groups):
+        part = x_np[..., member == g].astype(np.float64)
+        scale, bias = to_np(codes.scales)[..., g : g + 1], to_np(codes.biases)[..., g : g + 1]
+        step, top = np.abs(scale), 2**bits - 1
+        low, high = np.minimum(bias, bias + top * scale), np.maximum(bias, bias + top * scale)
+        clipped = np.maximum(low - part, 0) + np.maximum(part - high, 0)
+        error = np.abs(x_hat[..., member == g] - part)
+        assert np.all(error <= step / 2 + clipped + 1e-5 * step), g
+        assert np.all(clipped <= step * (1 + 1e-5)), g
+        # The group's own edges are on its grid (MLX keeps the larger-magnitude edge as the bias).
+        edge = np.where(np.abs(part.min(-1)) > np.abs(part.max(-1)), part.min(-1), part.max(-1))
+        np.testing.assert_allclose(bias[..., 0], edge, rtol=1e-6, atol=1e-6)
+    used = head_dim * bits % 32
+    if used:
+        assert np.all(np.array(codes.packed)[..., -1] >> used == 0)
 
 
 @pytest.mark.parametrize("bits, group_size, expected", [(8, 64, 8.5), (4, 32, 5.0)])
@@ -319,9 +383,15 @@ def test_pack_layout_is_mx_quantize_layout(bits):
     np.testing.assert_array_equal(np.array(unpack_bits(packed, bits)), 2**bits - 1 - q)
 
 
-def test_pack_rejects_partial_words():
-    with pytest.raises(ValueError, match="whole"):
-        pack_bits(mx.zeros((1, 16), dtype=mx.uint32), 3)
+@pytest.mark.parametrize("bits, count", [(3, 80), (5, 80), (7, 96), (3, 16), (6, 72)])
+def test_pack_partial_words_pad_with_zero_bits(bits, count):
+    rng = np.random.default_rng(count + bits)
+    values = rng.integers(0, 2**bits, size=(3, count)).astype(np.uint32)
+    packed = pack_bits(mx.array(values), bits)
+    assert packed.shape == (3, math.ceil(count * bits / 32))
+    np.testing.assert_array_equal(np.array(packed), ref.pack_bits_ref(values, bits))
+    np.testing.assert_array_equal(np.array(unpack_bits(packed, bits, count)), values)
+    assert np.all(np.array(packed)[:, -1] >> (count * bits % 32 or 32) == 0)
 
 
 # --------------------------------------------------------------------------- AURA
@@ -333,20 +403,21 @@ def aura_reference_mse(x_np, rotation, bits):
     return np.mean((decoded - x_np) ** 2)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, *NON_POWER_OF_TWO])
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_aura_matches_float64_reference(bits, head_dim):
     rotation = RandomizedHadamard(head_dim, seed=bits)
     x_np = kv_like((1, 2, 64, head_dim), seed=bits).astype(np.float32).astype(np.float64)
     codes = aura_encode(mx.array(x_np.astype(np.float32)), bits=bits, rotation=rotation)
     assert isinstance(codes, AuraCodes)
-    assert codes.packed.shape == (1, 2, 64, head_dim * bits // 32)
+    assert codes.packed.shape == (1, 2, 64, math.ceil(head_dim * bits / 32))  # d=80 at 3 bits: 7.5 -> 8 words
     assert codes.packed.dtype == mx.uint32
     assert codes.scales.shape == (1, 2, 64, 1) and codes.scales.dtype == mx.float16
 
     codebook = lloyd_max_codebook(bits)
     index_ref, scale_ref, u = ref.aura_encode_ref(x_np, rotation_signs(rotation), codebook)
-    index = np.array(unpack_bits(codes.packed, bits)).astype(np.int64)
+    index = np.array(unpack_bits(codes.packed, bits, head_dim)).astype(np.int64)
+    np.testing.assert_array_equal(np.array(codes.packed), ref.pack_bits_ref(index, bits))  # padding bits zero
     differ = index != index_ref
     # float32 vs float64: only coordinates within rounding of a threshold may code differently.
     assert differ.mean() < 1e-3
@@ -460,7 +531,7 @@ def test_aura_token_slots_are_independent():
 
 
 @pytest.mark.parametrize(
-    "bits, head_dim, rotation_dim", [(0, 64, 64), (9, 64, 64), (3, 16, 16), (4, 64, 128)]
+    "bits, head_dim, rotation_dim", [(0, 64, 64), (9, 64, 64), (4, 80, 64), (4, 64, 128)]
 )
 def test_aura_encode_rejects_bad_arguments(bits, head_dim, rotation_dim):
     with pytest.raises(ValueError):

@@ -237,6 +237,99 @@ def test_new_epoch_drops_old_epoch_state_and_repeat_hello_keeps_it():
         ledger.register_engine("e0", 0, 100, 64)
 
 
+# ---- slots, eviction, owners (issue 11 items 1, 6, 8) -------------------------------------
+
+
+def slotted(slots: int, capacity: int = 100) -> Ledger:
+    ledger = Ledger(session_idle_ttl_s=IDLE_S, retry_after_ms=300)
+    ledger.register_engine("e0", 0, capacity, 64, max_slots=slots)
+    return ledger
+
+
+def idle_session(ledger: Ledger, session_id: str, now: float, tokens: int = 10) -> None:
+    resv = ledger.reserve(f"t-{session_id}", tokens, now=now, session_id=session_id, new_session=True)
+    ledger.release(resv.resv_id, now=now, keep_session_tokens=tokens)
+
+
+def test_admission_counts_slots_as_well_as_tokens():
+    ledger = slotted(2)
+    ledger.reserve("a", 10, now=0)
+    idle_session(ledger, "s", now=0)
+    assert ledger.stats().engines[0].used_slots == 2
+    assert not ledger.can_reserve(1)  # 80 tokens free, no slot
+    with pytest.raises(Overloaded, match="free slot"):
+        ledger.reserve("b", 1, now=0)
+    turn = ledger.reserve("t2", 5, now=0, session_id="s", new_session=False)  # uses the session's slot
+    assert ledger.stats().engines[0].used_slots == 2
+    ledger.release(turn.resv_id, now=0, keep_session_tokens=15)
+    ledger.close_session("s")
+    assert ledger.stats().engines[0].used_slots == 1
+    ledger.check_invariants()
+
+
+def test_idle_sessions_are_evicted_oldest_first_and_only_as_needed():
+    # The issue's case: 4 slots, 4 idle sessions, one more request.
+    ledger = slotted(4)
+    for i in range(4):
+        idle_session(ledger, f"s{i}", now=float(i))
+    assert ledger.make_room(9, now=10).session_ids == ["s0"]
+    ledger.reserve("r", 9, now=10)
+    assert [ledger.session(f"s{i}") is None for i in range(4)] == [True, False, False, False]
+    ledger.check_invariants()
+
+
+def test_eviction_for_tokens_spares_busy_and_own_sessions_and_changes_nothing_in_vain():
+    ledger = slotted(8, capacity=100)
+    idle_session(ledger, "old", now=0, tokens=30)
+    idle_session(ledger, "mine", now=1, tokens=30)
+    ledger.reserve("busy-turn", 10, now=2, session_id="busy", new_session=True)  # 30 tokens free now
+    assert ledger.make_room(20, now=3).is_empty  # fits already
+    assert ledger.make_room(95, now=3).is_empty  # 90 at most even after evicting both: evict none
+    assert ledger.session("old") and ledger.session("mine")
+    released = ledger.make_room(50, now=3, session_id="mine", new_session=False)
+    assert released.session_ids == ["old"]  # the turn's own session and the busy one stay
+    assert ledger.session("mine") and ledger.session("busy")
+    ledger.reserve("turn", 50, now=3, session_id="mine", new_session=False)
+    ledger.check_invariants()
+
+
+def test_drop_gateway_releases_only_that_instances_items():
+    ledger = make_ledger(100)
+    mine, theirs = ledger.open_lease(30, now=0, gateway_id="g1"), ledger.open_lease(30, now=0, gateway_id="g2")
+    a = ledger.reserve("a", 10, now=0, gateway_id="g1")
+    ledger.reserve("b", 10, now=0, gateway_id="g1", session_id="s1", lease_id=mine.lease_id)
+    c = ledger.reserve("c", 10, now=0, gateway_id="g2")
+    idle_session(ledger, "s2", now=0)  # made without an owner: not g1's
+    released = ledger.drop_gateway("g1")
+    assert sorted(released.request_ids) == ["a", "b"] and released.session_ids == ["s1"]
+    assert released.lease_ids == [mine.lease_id]
+    assert ledger.reservation(a.resv_id) is None and ledger.reservation(c.resv_id)
+    assert ledger.lease(theirs.lease_id) and ledger.session("s2")
+    ledger.check_invariants()
+
+
+def test_a_silent_gateway_loses_its_items_after_the_timeout():
+    ledger = Ledger(gateway_timeout_s=5.0)
+    ledger.register_engine("e0", 0, 100, 64, now=0.0)
+    ledger.gateway_seen("g1", now=0.0)
+    ledger.reserve("a", 10, now=0.0, gateway_id="g1")
+    ledger.gateway_seen("g1", now=3.0)
+    ledger.register_engine("e0", 0, 100, 64, now=7.0)  # the engine stays live
+    assert ledger.expire(7.9).is_empty
+    assert ledger.expire(8.0).request_ids == ["a"]
+    assert_all_free(ledger)
+
+
+def test_lease_count_is_capped():
+    ledger = Ledger(max_leases=2)
+    ledger.open_lease(10, now=0)
+    lease = ledger.open_lease(10, now=0)
+    with pytest.raises(Overloaded, match="max_leases"):
+        ledger.open_lease(10, now=0)
+    ledger.close_lease(lease.lease_id)
+    ledger.open_lease(10, now=0)
+
+
 # ---- randomized operation sequences -----------------------------------------------------
 
 ENGINES = ["e0", "e1", "e2"]
@@ -254,7 +347,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.resvs: list[str] = []
         self.num_requests = 0
         for engine_id in ENGINES:
-            self.ledger.register_engine(engine_id, 0, 64, 16)
+            self.ledger.register_engine(engine_id, 0, 64, 16, max_slots=3)
 
     def live_resvs(self):
         return [r for r in map(self.ledger.reservation, self.resvs) if r is not None]
@@ -313,8 +406,9 @@ class LedgerMachine(RuleBasedStateMachine):
         lease_i=st.none() | st.integers(0, 100),
         session=st.none() | st.sampled_from(["s0", "s1", "s2", "s3"]),
         hint=st.none() | st.sampled_from(ENGINES),
+        gateway=st.sampled_from([None, "g0", "g1"]),
     )
-    def reserve(self, tokens, lease_i, session, hint):
+    def reserve(self, tokens, lease_i, session, hint, gateway):
         lease_id = (
             self.leases[lease_i % len(self.leases)] if lease_i is not None and self.leases else None
         )
@@ -323,7 +417,7 @@ class LedgerMachine(RuleBasedStateMachine):
         try:
             resv = self.ledger.reserve(
                 f"r{self.num_requests}", tokens, now=self.now, lease_id=lease_id,
-                session_id=session, engine_id=hint,
+                session_id=session, engine_id=hint, gateway_id=gateway,
             )  # fmt: skip
         except (Overloaded, BadRequest, LeaseExpired):
             # can_reserve ignores leases, so only a lease problem may disagree with it: the
@@ -333,6 +427,21 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         assert could
         self.resvs.append(resv.resv_id)
+
+    @rule(tokens=st.integers(1, 80), session=st.none() | st.sampled_from(["s0", "s1", "s2", "s3"]))
+    def make_room(self, tokens, session):
+        idle = {s.session_id for s in map(self.ledger.session, self.all_sessions()) if s and s.resv_id is None}
+        released = self.ledger.make_room(tokens, now=self.now, session_id=session)
+        assert set(released.session_ids) <= idle - {session} and not released.request_ids
+        if not released.is_empty:
+            assert self.ledger.can_reserve(tokens, session_id=session)
+
+    @rule(gateway=st.sampled_from(["g0", "g1"]))
+    def gateway_dies(self, gateway):
+        mine = {r.request_id for r in self.live_resvs() if r.gateway_id == gateway}
+        released = self.ledger.drop_gateway(gateway)
+        assert mine <= set(released.request_ids)
+        assert not [r for r in self.live_resvs() if r.gateway_id == gateway]
 
     @precondition(lambda self: self.resvs)
     @rule(i=st.integers(0, 1000), observed=st.integers(0, 100))
@@ -359,7 +468,7 @@ class LedgerMachine(RuleBasedStateMachine):
         assert all(self.ledger.reservation(r.resv_id) == r for r in others)
         if restart:
             self.epochs[engine_id] += 1
-            assert self.ledger.register_engine(engine_id, self.epochs[engine_id], 64, 16).is_empty
+            assert self.ledger.register_engine(engine_id, self.epochs[engine_id], 64, 16, max_slots=3).is_empty
 
     @invariant()
     def accounting_is_exact(self):

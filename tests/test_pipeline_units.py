@@ -10,6 +10,7 @@ import pytest
 
 from services.controller.ledger import Ledger
 from services.controller.service import ControllerCore
+from services.gateway.clients import ClientLimits
 from services.gateway.control import ToClient, ToController, ToEngine
 from services.gateway.core import GatewayCore
 from services.gateway.engines import EngineTable
@@ -17,6 +18,7 @@ from services.gateway.prompts import Prompter, chat_continuation
 from services.gateway.sessions import GenerationSessionPool
 from shared import protocol as p
 from shared.errors import ErrorCode
+from tests.gateway_helpers import drive
 
 CLIENT, ENGINE = b"client-1", b"e0:0"
 GEOMETRY = p.Geometry(slots=4, capacity_tokens=1000, bytes_per_token=10, kv_cache="raw", max_context=256)
@@ -44,9 +46,15 @@ def msgs(sends, kind):
     return [s.msg for s in sends if isinstance(s, kind)]
 
 
-def start(core, request_id="r1", now=0.0, **fields):
+def client(core, msg, now=0.0, identity=CLIENT):
+    return drive(core, core.on_client(identity, msg, now), now)
+
+
+def start(core, request_id="r1", now=0.0, identity=CLIENT, **fields):
     """Submit a generate and, if it was admitted, grant its reservation; returns the sends."""
-    sends = core.on_client(CLIENT, p.Generate(id=request_id, **{"prompt": "Hello", **fields}), now)
+    if not {"prompt", "messages", "token_ids"} & set(fields):
+        fields["prompt"] = "Hello"
+    sends = client(core, p.Generate(id=request_id, **fields), now, identity)
     reserves = [m for m in msgs(sends, ToController) if isinstance(m, p.Reserve)]
     for reserve in reserves:
         sends += core.on_controller(p.Reserved(request_id=reserve.request_id, resv_id=f"v-{request_id}",
@@ -81,7 +89,7 @@ def test_generate_streams_text_then_done_and_release(core, tokenizer):
 def test_queue_is_fifo_and_cancel_of_a_queued_request_is_immediate(core):
     first = engine_request_id(start(core, "a"))
     assert start(core, "b", now=0.1) == [] and start(core, "c", now=0.2) == []
-    out = core.on_client(CLIENT, p.Cancel(id="b"), 0.3)
+    out = client(core, p.Cancel(id="b"), 0.3)
     assert [type(m) for m in msgs(out, ToClient)] == [p.Done] and msgs(out, ToClient)[0].finish_reason == "cancelled"
     out = core.on_engine_out(finished(first), 1.0)
     promoted = [m for m in msgs(out, ToController) if isinstance(m, p.Reserve)]
@@ -89,9 +97,9 @@ def test_queue_is_fifo_and_cancel_of_a_queued_request_is_immediate(core):
 
 
 def test_cancel_while_reserving_aborts_right_after_the_generate(core):
-    sends = core.on_client(CLIENT, p.Generate(id="r1", prompt="Hi"), 0.0)
+    sends = client(core, p.Generate(id="r1", prompt="Hi"), 0.0)
     rid = msgs(sends, ToController)[0].request_id
-    assert core.on_client(CLIENT, p.Cancel(id="r1"), 0.1) == []
+    assert client(core, p.Cancel(id="r1"), 0.1) == []
     out = core.on_controller(p.Reserved(request_id=rid, resv_id="v1", engine_id="e0", epoch=0), 0.2)
     assert [type(m) for m in msgs(out, ToEngine)] == [p.EngineGenerate, p.EngineAbort]
     out = core.on_engine_out(finished(rid, reason="cancelled", completion=0), 0.3)
@@ -138,20 +146,20 @@ def test_revoked_lease_ends_running_and_queued_requests(core):
 
 
 def test_control_requests_are_forwarded_and_replies_restore_the_client_id(core):
-    out = core.on_client(CLIENT, p.LeaseOpen(id="mine", ttl_s=5.0), 0.0)
+    out = client(core, p.LeaseOpen(id="mine", ttl_s=5.0), 0.0)
     forwarded = msgs(out, ToController)[0]
     assert forwarded.id != "mine"
     reply = core.on_controller(p.Lease(id=forwarded.id, lease_id="L1", ttl_s=5.0), 0.1)
     assert msgs(reply, ToClient) == [p.Lease(id="mine", lease_id="L1", ttl_s=5.0)]
-    core.on_client(CLIENT, p.Stats(id="s"), 1.0)
+    client(core, p.Stats(id="s"), 1.0)
     late = core.tick(now=4.0)  # the controller never answered
     assert [(m.id, m.code) for m in msgs(late, ToClient)] == [("s", ErrorCode.INTERNAL)]
 
 
 def test_duplicate_ids_and_bad_sessions_are_bad_requests(core):
     start(core, "r1")
-    again = msgs(core.on_client(CLIENT, p.Generate(id="r1", prompt="x"), 0.1), ToClient)
-    unknown = msgs(core.on_client(CLIENT, p.Generate(id="r2", prompt="x", session_id="s"), 0.1), ToClient)
+    again = msgs(client(core, p.Generate(id="r1", prompt="x"), 0.1), ToClient)
+    unknown = msgs(client(core, p.Generate(id="r2", prompt="x", session_id="s"), 0.1), ToClient)
     assert [m.code for m in again + unknown] == [ErrorCode.BAD_REQUEST] * 2
 
 
@@ -187,3 +195,212 @@ def test_controller_reserves_releases_and_announces_engine_death():
     assert (to, stale) == (ENGINE, p.EngineDead(engine_id="e0", epoch=0))
     [(_, refused)] = core.handle(gw, p.Reserve(request_id="r3", tokens=10), 6.0)
     assert refused.code == ErrorCode.OVERLOADED and refused.id == "r3"
+
+
+# ---- issue 11: every accepted request ends, every resource has an owner -----------------
+
+OTHER = b"client-2"
+
+
+def make_core(tokenizer, *, active=2, queue=2, **limits):
+    prompter = Prompter(tokenizer, vocab_size=49152, max_context=256, max_tokens_cap=64)
+    pool = GenerationSessionPool(active, queue, 5.0, client_max_active=limits.get("max_active", active),
+                                 client_max_queued=limits.get("max_queued", queue))  # fmt: skip
+    gateway = GatewayCore(prompter, pool, EngineTable(3.0), control_timeout_s=2.0, limits=ClientLimits(**limits))
+    gateway.on_engine_cmd(ENGINE, p.Hello(engine_id="e0", epoch=0, geometry=GEOMETRY), now=0.0)
+    return gateway
+
+
+def errors_by_id(sends) -> dict[str, ErrorCode]:
+    return {m.id: m.code for m in msgs(sends, ToClient) if isinstance(m, p.Error)}
+
+
+def first_turn(core, session_id="s", request_id="t1", identity=CLIENT, **fields):
+    """Start a session and finish its first turn (5 tokens of history); returns the session's internal id."""
+    sends = start(core, request_id, identity=identity, session_id=session_id, new_session=True, **fields)
+    generate = next(m for m in msgs(sends, ToEngine) if isinstance(m, p.EngineGenerate))
+    core.on_engine_out(finished(generate.id, tokens_held=5), 1.0)
+    return generate.session_id
+
+
+def test_a_queued_session_turn_fails_like_its_engine_item3(core):
+    first_turn(core)
+    start(core, "busy", now=2.0)  # takes the only place
+    assert not msgs(start(core, "t2", now=2.0, token_ids=[5], session_id="s"), ToClient)  # queued
+    out = core.on_controller(p.EngineDead(engine_id="e0", epoch=0), 3.0)
+    assert errors_by_id(out) == {"busy": ErrorCode.ENGINE_FAILED, "t2": ErrorCode.ENGINE_FAILED}
+
+
+def test_an_evicted_sessions_waiting_turn_is_cancelled(core):
+    internal = first_turn(core)
+    start(core, "busy", now=2.0)
+    start(core, "t2", now=2.0, token_ids=[5], session_id="s")
+    out = core.on_controller(p.Revoked(code=ErrorCode.CANCELLED, session_ids=[internal]), 3.0)
+    assert errors_by_id(out) == {"t2": ErrorCode.CANCELLED}
+    again = msgs(client(core, p.Generate(id="t3", token_ids=[5], session_id="s"), 4.0), ToClient)
+    assert again[0].code == ErrorCode.BAD_REQUEST
+
+
+def test_the_history_is_what_the_client_was_told_after_a_stop_string_item5(core, tokenizer):
+    prompt_ids = list(tokenizer.encode("1, 2, 3, 4, 5,"))
+    sends = start(core, "t1", prompt="1, 2, 3, 4, 5,", stop=[" 9, 10"], session_id="s", new_session=True)
+    rid = engine_request_id(sends)
+    ran = list(tokenizer.encode(" 6, 7, 8, 9, 10, 11, 12", add_special_tokens=False))  # past the stop
+    chunk = p.TokenChunk(id=rid, token_ids=ran, index=0)
+    core.on_engine_out(p.EngineTokens(engine_id="e0", epoch=0, chunks=[chunk]), 1.0)
+    usage = p.Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(ran))
+    fin = p.EngineFinished(engine_id="e0", epoch=0, id=rid, reason="cancelled", usage=usage,
+                           tokens_held=len(prompt_ids) + len(ran) - 1)  # fmt: skip
+    done = msgs(core.on_engine_out(fin, 1.1), ToClient)[-1]
+    assert done.finish_reason == "stop" and done.usage.completion_tokens < len(ran)
+    turn2 = next(m for m in msgs(start(core, "t2", now=2.0, token_ids=[198], max_tokens=2, session_id="s"), ToEngine))
+    assert turn2.session_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+
+
+def test_sessions_belong_to_their_owner_and_others_learn_nothing_item7(core):
+    first_turn(core)
+    theirs = msgs(client(core, p.Generate(id="x", prompt="hi", session_id="s"), 2.0, OTHER), ToClient)
+    never = msgs(client(core, p.Generate(id="y", prompt="hi", session_id="never"), 2.0, OTHER), ToClient)
+    assert theirs[0].code == never[0].code == ErrorCode.BAD_REQUEST
+    assert theirs[0].message.replace("'s'", "'never'") == never[0].message  # one error, whatever exists
+    closed = client(core, p.SessionClose(id="c", session_id="s"), 2.0, OTHER)
+    assert msgs(closed, ToClient) == [p.SessionClosed(id="c", session_id="s")] and not msgs(closed, ToController)
+    owner_turn = start(core, "t2", now=3.0, token_ids=[5], session_id="s")  # still the owner's, and live
+    assert [type(m) for m in msgs(owner_turn, ToEngine)] == [p.EngineGenerate]
+
+
+def test_same_session_id_for_two_owners_and_a_lease_owned_session(tokenizer):
+    core = make_core(tokenizer)
+    mine = first_turn(core)
+    theirs = first_turn(core, request_id="o1", identity=OTHER)  # its own "s"
+    leased = first_turn(core, session_id="ls", request_id="l1", lease_id="L")
+    assert len({mine, theirs, leased}) == 3
+    no_lease = msgs(client(core, p.Generate(id="n", token_ids=[5], session_id="ls"), 2.0), ToClient)
+    assert no_lease[0].code == ErrorCode.BAD_REQUEST
+    other_conn = start(core, "l2", now=2.0, identity=OTHER, token_ids=[5], session_id="ls", lease_id="L")
+    assert next(m for m in msgs(other_conn, ToEngine)).session_id == leased  # the lease owns it
+
+
+def test_per_client_caps_are_overloaded_with_a_reason_item8(tokenizer):
+    core = make_core(tokenizer, active=4, queue=8, max_active=1, max_queued=1, max_sessions=1, max_leases=1,
+                     max_pending_control=2)  # fmt: skip
+    start(core, "a")
+    start(core, "b")  # queued: this client runs one at a time
+    over = msgs(client(core, p.Generate(id="c", prompt="hi"), 0.1), ToClient)[0]
+    assert over.code == ErrorCode.OVERLOADED and "client_max_active 1 + client_max_queued 1" in over.message
+    assert engine_request_id(start(core, "o", identity=OTHER))  # another client still runs at once
+    first_turn(core, request_id="s1", identity=b"c3")
+    over = msgs(client(core, p.Generate(id="s2", prompt="hi", session_id="z", new_session=True), 2.0, b"c3"), ToClient)[0]
+    assert over.code == ErrorCode.OVERLOADED and "client_max_sessions" in over.message
+    forwarded = msgs(client(core, p.LeaseOpen(id="l1"), 3.0, b"c4"), ToController)[0]
+    over = msgs(client(core, p.LeaseOpen(id="l2"), 3.0, b"c4"), ToClient)[0]  # the first is in flight
+    assert over.code == ErrorCode.OVERLOADED and "client_max_leases" in over.message
+    core.on_controller(p.Lease(id=forwarded.id, lease_id="L1", ttl_s=30.0), 3.1)
+    closing = msgs(client(core, p.LeaseClose(id="x", lease_id="L1"), 3.2, b"c4"), ToController)[0]
+    core.on_controller(p.LeaseClosed(id=closing.id, lease_id="L1"), 3.3)
+    assert msgs(client(core, p.LeaseOpen(id="l3"), 3.4, b"c4"), ToController)  # room again
+    client(core, p.Stats(id="q1"), 4.0, b"c5")
+    client(core, p.Stats(id="q2"), 4.0, b"c5")
+    over = msgs(client(core, p.Stats(id="q3"), 4.0, b"c5"), ToClient)[0]
+    assert over.code == ErrorCode.OVERLOADED and "client_max_pending_control" in over.message
+
+
+def test_a_lease_opened_after_its_client_was_told_internal_is_closed(core):
+    forwarded = msgs(client(core, p.LeaseOpen(id="l1"), 0.0), ToController)[0]
+    late = core.tick(5.0)  # control timeout 2 s
+    assert errors_by_id(late) == {"l1": ErrorCode.INTERNAL}
+    out = core.on_controller(p.Lease(id=forwarded.id, lease_id="L9", ttl_s=30.0), 6.0)
+    assert msgs(out, ToController) == [p.LeaseClose(lease_id="L9")] and not msgs(out, ToClient)
+
+
+def test_a_gone_connection_has_its_work_cancelled_and_sessions_closed_item4(tokenizer):
+    core = make_core(tokenizer, active=2, queue=4)
+    internal = first_turn(core)
+    runs = [engine_request_id(start(core, rid, now=2.0)) for rid in ("run1", "run2")]
+    start(core, "waiting", now=2.0)
+    out = core.on_client_gone(CLIENT, 3.0)
+    assert not msgs(out, ToClient)  # nobody to tell
+    assert sorted(m.ids[0] for m in msgs(out, ToEngine)) == sorted(runs)
+    assert p.SessionClose(session_id=internal) in msgs(out, ToController)
+    assert core.pool.stats().queued == 0
+    for client_id, rid in zip(("run1", "run2"), runs):
+        out = core.on_engine_out(finished(rid, reason="cancelled"), 4.0)
+        assert not msgs(out, ToClient) and msgs(out, ToController) == [p.Release(resv_id=f"v-{client_id}")]
+    assert core.num_streams == 0 and len(core.clients) == 0 and len(core.sessions) == 0
+
+
+def test_quiet_connections_get_keepalives(tokenizer):
+    core = make_core(tokenizer, active=1, queue=2)
+    first_turn(core, request_id="t", identity=b"holder")  # holds a session between turns
+    start(core, "run", now=1.0)
+    start(core, "waits", now=1.0, identity=OTHER)  # queued
+    assert not [s for s in core.tick(1.2) if isinstance(s, ToClient) and s.identity != b"holder"]
+    keep = [s.identity for s in core.tick(1.6) if isinstance(s, ToClient) and isinstance(s.msg, p.Keepalive)]
+    assert sorted(keep) == sorted([CLIENT, OTHER])
+    probes = [s.identity for s in core.tick(3.5, check_engines=False) if isinstance(s, ToClient)
+              and s.identity == b"holder"]  # fmt: skip
+    assert probes == [b"holder"]
+
+
+def test_shutdown_drains_then_ends_everything_unavailable_item2(core, tokenizer):
+    rid = engine_request_id(start(core, "run"))
+    start(core, "waits")
+    out = core.begin_drain(1.0)
+    assert errors_by_id(out) == {"waits": ErrorCode.UNAVAILABLE}
+    assert errors_by_id(client(core, p.Generate(id="new", prompt="hi"), 1.1)) == {"new": ErrorCode.UNAVAILABLE}
+    chunk = p.TokenChunk(id=rid, token_ids=list(tokenizer.encode(" yes")), index=0)
+    assert msgs(core.on_engine_out(p.EngineTokens(engine_id="e0", epoch=0, chunks=[chunk]), 1.2), ToClient)
+    out = core.end_all(2.0)
+    assert errors_by_id(out) == {"run": ErrorCode.UNAVAILABLE}
+    assert msgs(out, ToEngine) == [p.EngineAbort(ids=[rid])] and msgs(out, ToController) == [p.Release(resv_id="v-run")]
+    assert core.num_streams == 0
+
+
+def test_a_reservation_the_controller_never_answers_ends_unavailable(core):
+    reserve = msgs(client(core, p.Generate(id="r", prompt="hi"), 0.0), ToController)[-1]
+    assert errors_by_id(core.tick(1.9)) == {}
+    assert errors_by_id(core.tick(2.0)) == {"r": ErrorCode.UNAVAILABLE}
+    late = core.on_controller(p.Reserved(request_id=reserve.request_id, resv_id="v", engine_id="e0", epoch=0), 3.0)
+    assert msgs(late, ToController) == [p.Release(resv_id="v")]
+
+
+def test_engines_are_not_judged_while_the_loop_was_stalled_item9(core):
+    assert core.tick(10.0, check_engines=False) and core.engines.num_live == 1
+    assert core.tick(10.1) and core.engines.num_live == 0
+
+
+def test_top_k_at_or_above_the_vocabulary_disables_it_item11(core):
+    big = next(m for m in msgs(start(core, "a", top_k=49152), ToEngine))
+    core.on_engine_out(finished(big.id), 1.0)
+    small = next(m for m in msgs(start(core, "b", now=1.0, top_k=49151), ToEngine))
+    assert (big.sampling.top_k, small.sampling.top_k) == (None, 49151)
+
+
+def test_a_restarted_gateway_instance_loses_the_old_ones_reservations_item6():
+    core = ControllerCore(Ledger())
+    core.handle(ENGINE, p.Hello(engine_id="e0", epoch=0, geometry=GEOMETRY), 0.0)
+    gw = p.GATEWAY_ROUTING_ID
+    core.handle(gw, p.GatewayHeartbeat(gateway_id="old"), 0.0)
+    for i in range(4):
+        core.handle(gw, p.Reserve(request_id=f"r{i}", tokens=10), 0.0)
+    core.handle(gw, p.LeaseOpen(id="c", ttl_s=30.0), 0.0)
+    assert core.handle(gw, p.GatewayHeartbeat(gateway_id="old"), 0.5) == []  # same instance: nothing
+    out = core.handle(gw, p.GatewayHeartbeat(gateway_id="new"), 1.0)  # kill -9, restart
+    assert out == [(ENGINE, p.EngineAbort(ids=["r0", "r1", "r2", "r3"]))]
+    stats = core.ledger.stats()
+    assert (stats.num_reservations, stats.num_leases, stats.engines[0].reserved_tokens) == (0, 0, 0)
+
+
+def test_the_controller_evicts_an_idle_session_for_a_request_that_needs_its_slot_item1():
+    core = ControllerCore(Ledger())
+    geometry = GEOMETRY.model_copy(update={"slots": 2})
+    core.handle(ENGINE, p.Hello(engine_id="e0", epoch=0, geometry=geometry), 0.0)
+    gw = p.GATEWAY_ROUTING_ID
+    for i in range(2):
+        [(_, resv)] = core.handle(gw, p.Reserve(request_id=f"s{i}", tokens=3, session_id=f"S{i}", new_session=True), i)
+        core.handle(gw, p.Release(resv_id=resv.resv_id, keep_session_tokens=2), i)
+    out = core.handle(gw, p.Reserve(request_id="r", tokens=8), 5.0)
+    assert (ENGINE, p.EngineSessionClose(session_ids=["S0"])) in out
+    revoked = next(m for _, m in out if isinstance(m, p.Revoked))
+    assert (revoked.code, revoked.session_ids) == (ErrorCode.CANCELLED, ["S0"])
+    assert isinstance(out[-1][1], p.Reserved)

@@ -39,7 +39,8 @@ EXAMPLES: list[p.Message] = [
     p.Cancel(id="r1"),
     p.LeaseOpen(ttl_s=10.0), p.LeaseOpen(id="c1", ttl_s=2.5),
     p.LeaseRenew(lease_id="L"), p.LeaseClose(id="c2", lease_id="L"),
-    p.SessionClose(session_id="s"), p.Health(), p.Stats(id="c3"),
+    p.SessionClose(session_id="s"), p.SessionClose(session_id="s", lease_id="L"), p.Health(), p.Stats(id="c3"),
+    p.Keepalive(), p.GatewayHeartbeat(gateway_id="gw-1"),
     p.Token(id="r1", text="Hel", token_ids=[5, 6], index=0),
     p.Done(id="r1", finish_reason=p.FinishReason.LENGTH, usage=USAGE),
     p.Error(id="r1", code=ErrorCode.OVERLOADED, message="busy", retry_after_ms=250),
@@ -56,7 +57,7 @@ EXAMPLES: list[p.Message] = [
     p.Hello(engine_id="e0", epoch=2, geometry=GEOMETRY, model="SmolLM2-135M"),
     p.EngineGenerate(
         id="r1", resv_id="resv-1", epoch=2, token_ids=[1, 2],
-        sampling=p.SamplingParams(max_tokens=5, temperature=0.5, seed=1), session_id="s",
+        sampling=p.SamplingParams(max_tokens=5, temperature=0.5, seed=1), session_id="s", session_tokens=12,
     ),
     p.EngineTokens(engine_id="e0", epoch=2, chunks=[p.TokenChunk(id="r1", token_ids=[9], index=4)]),
     p.EngineFinished(engine_id="e0", epoch=2, id="r1", reason="stop", usage=USAGE, tokens_held=15,
@@ -391,3 +392,50 @@ def test_error_reply_tolerates_bad_inputs():
     reply = p.error_reply(ButtermilkError("x" * 10_000), "y" * 1000)
     assert reply.id is None and len(reply.message) == p.MAX_ERROR_CHARS
     assert p.error_reply(BadRequest("b"), None).id is None
+
+
+# ---- issue 11 item 10: ids of undecodable frames, and sizes that agree ----------------------
+
+INVALID_UTF8 = b"\xff\xfe"
+
+
+def packed_with_invalid_prompt() -> bytes:
+    """{"v": 1, "type": "generate", "id": "r7", "prompt": <2 bytes of invalid UTF-8>}."""
+    data = frame(v=1, type="generate", id="r7", prompt="zz")
+    return data.replace(b"\xa2zz", b"\xa2" + INVALID_UTF8)
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        (packed_with_invalid_prompt(), "r7"),  # invalid UTF-8 in a string
+        (frame(v=1, type="generate", id="r8", prompt="x", extra={1: "int key"}), "r8"),  # an int map key
+        (msgpack.packb({"v": 1, "id": "r9", "type": "generate", "prompt": "hello"})[:-3], "r9"),  # truncated
+        (msgpack.packb({1: 2, "id": "r10"}), "r10"),
+        (msgpack.packb({"v": 1, "id": b"bin", "type": "generate"}), None),  # a bin is not a string id
+        (msgpack.packb({"v": 1, "type": "generate", "prompt": "x"})[:-1], None),  # no id at all
+        (frame(v=1, type="generate", prompt="x") + b"\xa2id", None),
+        (b"\x92\xa2id\xa2r1", None),  # an array, not a map
+    ],
+)
+def test_an_undecodable_frame_keeps_its_readable_id(data, expected):
+    assert assert_rejected(data).request_id == expected
+
+
+def test_every_valid_message_fits_in_a_frame():
+    """The largest generate the limits allow: four-byte characters everywhere, every field full."""
+    widest = "\U0001f600"  # four bytes of UTF-8
+    longest_id = widest * p.MAX_ID_CHARS
+    msg = p.Generate(
+        id=longest_id, prompt=widest * p.MAX_PROMPT_CHARS, max_tokens=p.MAX_TOKENS_LIMIT, temperature=0.5,
+        top_p=0.5, top_k=2**63, seed=p.MAX_SEED, stop=[widest * p.MAX_STOP_CHARS] * p.MAX_STOP_STRINGS,
+        session_id=longest_id, new_session=True, lease_id=longest_id, stream=False,
+    )  # fmt: skip
+    data = p.encode(msg)
+    assert 4 * p.MAX_PROMPT_CHARS < len(data) <= p.MAX_FRAME_BYTES
+    assert p.decode(data) == msg
+    content = widest * (p.MAX_PROMPT_CHARS // p.MAX_MESSAGES)
+    chat = p.Generate(id="c", messages=[p.ChatMessage(role="assistant", content=content)] * p.MAX_MESSAGES)
+    assert len(p.encode(chat)) <= p.MAX_FRAME_BYTES
+    tokens = p.Generate(id="t", token_ids=[p.MAX_TOKEN_ID] * p.MAX_PROMPT_TOKENS)
+    assert len(p.encode(tokens)) <= p.MAX_FRAME_BYTES

@@ -165,3 +165,69 @@ def test_random_sequences_keep_strict_fifo_and_bounds(max_active, max_queue, seq
         assert stats.active <= max_active and stats.queued == len(waiting) <= max_queue
         assert all(pool.is_queued(rid) for rid in waiting)
         assert not waiting or stats.active == max_active  # nobody waits behind a free place
+
+
+# ---- per-client caps (issue 11 item 8) ----------------------------------------------------
+
+
+def test_one_client_cannot_take_every_place():
+    pool = GenerationSessionPool(3, 10, 30.0, client_max_active=1, client_max_queued=2)
+    assert isinstance(pool.submit("a1", 0.0, b"A"), Admitted)
+    assert isinstance(pool.submit("a2", 0.1, b"A"), Queued)  # places are free, but A is at its cap
+    assert isinstance(pool.submit("b1", 0.2, b"B"), Admitted)  # passes A's waiting request
+    assert pool.finish("a1", 1.0) == ["a2"]
+    assert pool.stats().active == 2
+
+
+def test_a_clients_queue_share_is_capped_with_a_reason():
+    pool = GenerationSessionPool(1, 10, 30.0, client_max_active=1, client_max_queued=2)
+    pool.submit("a1", 0.0, b"A")
+    pool.submit("a2", 0.0, b"A")
+    pool.submit("a3", 0.0, b"A")
+    with pytest.raises(Overloaded, match="client_max_queued 2") as info:
+        pool.submit("a4", 0.0, b"A")
+    assert info.value.retry_after_ms >= MIN_RETRY_AFTER_MS
+    assert isinstance(pool.submit("b1", 0.0, b"B"), Queued)  # other clients still queue
+
+
+client_ops = st.lists(
+    st.tuples(st.sampled_from(["submit", "finish", "cancel", "expire"]), st.integers(0, 30),
+              st.floats(0, 3), st.sampled_from([b"A", b"B", b"C"])),
+    max_size=80,
+)  # fmt: skip
+
+
+@given(cap=st.integers(1, 2), queued_cap=st.integers(0, 3), sequence=client_ops)
+@settings(max_examples=300, deadline=None)
+def test_random_sequences_with_clients_keep_caps_and_waste_no_place(cap, queued_cap, sequence):
+    pool = GenerationSessionPool(3, 6, 4.0, client_max_active=cap, client_max_queued=queued_cap)
+    owner, started, order, next_id, now = {}, [], [], 0, 0.0
+    for op, i, dt, client in sequence:
+        now += dt
+        if op == "submit":
+            rid, next_id = f"r{next_id}", next_id + 1
+            owner[rid] = client
+            try:
+                if isinstance(pool.submit(rid, now, client), Admitted):
+                    started.append(rid)
+                    order.append(rid)
+            except Overloaded:
+                pass
+        elif op == "finish" and started:
+            promoted = pool.finish(started.pop(i % len(started)), now)
+            started += promoted
+            order += promoted
+        elif op == "cancel":
+            pool.cancel(f"r{i}")
+        else:
+            pool.expire(now)
+        active = [r for r in started if pool.is_active(r)]
+        queued = [r for r in owner if pool.is_queued(r)]
+        per_client = {c: sum(owner[r] == c for r in active) for c in (b"A", b"B", b"C")}
+        assert all(n <= cap for n in per_client.values())
+        assert all(sum(owner[r] == c for r in queued) <= queued_cap for c in per_client)
+        if len(active) < 3:  # a free place: every waiting request's client is at its cap
+            assert all(per_client[owner[r]] == cap for r in queued)
+    for client in (b"A", b"B", b"C"):  # each client's requests start in the order they came
+        mine = [int(r[1:]) for r in order if owner[r] == client]
+        assert mine == sorted(mine)

@@ -21,7 +21,7 @@ import { Encoder, Decoder } from "@msgpack/msgpack";
 import { Dealer } from "zeromq";
 
 export const SCHEMA_VERSION = 1;
-export const MAX_FRAME_BYTES = 4 * 1024 * 1024;
+export const MAX_FRAME_BYTES = 5 * 1024 * 1024;
 export const MAX_ID_CHARS = 256;
 export const DEFAULT_ADDRESS = "tcp://127.0.0.1:5555";
 export const DEFAULT_TIMEOUT_MS = 300_000; // per generate, from send to its terminal message
@@ -29,7 +29,7 @@ export const CONTROL_TIMEOUT_MS = 10_000; // per lease, session, health or stats
 export const CANCEL_GRACE_MS = 10_000; // after a deadline's cancel, wait this long for the end
 
 // Codes the server sends (docs/protocol.md section 6) that may succeed when retried.
-const RETRYABLE = new Set(["overloaded", "queue_timeout", "engine_failed", "capacity"]);
+const RETRYABLE = new Set(["overloaded", "queue_timeout", "engine_failed", "capacity", "unavailable"]);
 // Reply types this client understands; unknown types are ignored (section 14).
 const REPLY_TYPES = new Set([
   "token", "done", "error", "lease", "lease_closed", "session_closed", "health_ok", "stats_reply",
@@ -329,8 +329,11 @@ export class ButtermilkClient {
     return this._control({ type: "lease_close", lease_id: leaseId });
   }
 
-  async closeSession(sessionId) {
-    return this._control({ type: "session_close", session_id: sessionId });
+  /** Close a session; `leaseId` (its owner, if it has one) defaults to the open lease. */
+  async closeSession(sessionId, leaseId = this.leaseId) {
+    const message = { type: "session_close", session_id: sessionId };
+    if (leaseId !== null && leaseId !== undefined) message.lease_id = leaseId;
+    return this._control(message);
   }
 
   /** @returns {Promise<object>} `health_ok` ({status: "ok"|"degraded", engines_live}). */
@@ -471,6 +474,7 @@ export class ButtermilkClient {
       this.numOrphans += 1;
       return;
     }
+    if (isPlainMap(msg) && msg.type === "keepalive") return; // the gateway checking we are still here
     if (!isPlainMap(msg) || msg.v !== SCHEMA_VERSION || !REPLY_TYPES.has(msg.type)) {
       this.numOrphans += 1; // undecodable, another version, or an unknown type (ignored)
       return;

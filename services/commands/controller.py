@@ -26,6 +26,8 @@ class ControllerSettings(BaseSettings):
     session_idle_ttl_s: float = Field(300.0, gt=0, description="a session without a turn ends after this many seconds")
     engine_timeout_s: float = Field(5.0, gt=0, description="an engine silent this long is declared dead, seconds")
     retry_after_ms: int = Field(250, ge=0, description="hint sent with overloaded when no engine has room")
+    gateway_timeout_s: float = Field(30.0, gt=0, description="a gateway silent this long loses its reservations, leases and sessions, seconds")
+    max_leases: int = Field(10_000, ge=1, description="leases open at once, all clients together")
     log_json: bool = Field(False, description="JSON log lines")
     log_level: str = Field("info", description="debug, info, warning or error")
 
@@ -81,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         session_idle_ttl_s=settings.session_idle_ttl_s,
         retry_after_ms=settings.retry_after_ms,
         engine_timeout_s=settings.engine_timeout_s,
+        gateway_timeout_s=settings.gateway_timeout_s,
+        max_leases=settings.max_leases,
     )
     service = ControllerService(ControllerCore(ledger), settings.controller_address)
 

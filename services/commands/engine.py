@@ -26,9 +26,15 @@ class EngineSettings(ModelSettings):
     epoch: int | None = Field(None, ge=0, description="restart count (default: wall-clock seconds, rising across restarts)")
     device: str = Field("cpu", description="cpu or gpu:N")
     capacity_tokens: int = Field(32768, ge=16, description="KV tokens the engine's cache holds, all slots together")
+    kv_memory_gib: float | None = Field(None, gt=0, description="size the KV pool to this many GiB instead of --capacity-tokens")
+    kv_memory_fraction: float | None = Field(None, gt=0, le=1, description="size the KV pool to this share of the device's memory instead of --capacity-tokens")
+    status_interval_s: float = Field(10.0, ge=0, description="seconds between status log lines (0: none)")
     max_slots: int = Field(16, ge=1, description="sequences held at once (sessions included)")
     step_token_budget: int = Field(512, ge=1, description="tokens computed per step (prefill chunks and decodes)")
     page_size: int = Field(16, ge=1, description="tokens per KV page")
+    wait_timeout_s: float = Field(60.0, gt=0, description="longest wait of an accepted request for a slot, seconds")
+    drain_timeout_s: float = Field(5.0, ge=0, description="on shutdown, how long running requests may finish, seconds")
+    no_prefix_cache: bool = Field(False, description="do not share cached pages of common prompt prefixes")
     engine_cmd_address: str = Field(DEFAULT_ENGINE_CMD_ADDRESS, description="the gateway's engine-cmd ROUTER")
     engine_out_address: str = Field(DEFAULT_ENGINE_OUT_ADDRESS, description="the gateway's engine-out PULL")
     controller_address: str = Field(DEFAULT_CONTROLLER_ADDRESS, description="the controller's ROUTER")
@@ -71,16 +77,19 @@ def build_service(settings: EngineSettings):
 
     loaded, options = open_model(settings)
     core = EngineCore(
-        loaded, options, capacity_tokens=settings.capacity_tokens, max_slots=settings.max_slots,
+        loaded, options, capacity_tokens=pool_capacity(settings, loaded, options), max_slots=settings.max_slots,
         step_token_budget=settings.step_token_budget, page_size=settings.page_size,
+        prefix_cache=not settings.no_prefix_cache,
     )  # fmt: skip
     geo = core.geometry
+    log_pool(settings.engine_id, geo)
     # Admission counts tokens; the cache allocates pages, so each slot may waste a partial page.
     slack = geo["max_slots"] * (geo["page_size"] - 1)
     geometry = Geometry(
         slots=geo["max_slots"], capacity_tokens=max(1, geo["capacity_tokens"] - slack),
         bytes_per_token=geo["bytes_per_token"], kv_cache=str(geo["kv_cache"]),
         max_context=geo["max_context"], window_tokens=geo.get("window_tokens"),
+        state_bytes_per_slot=geo["state_bytes_per_slot"],
     )  # fmt: skip
     epoch = settings.epoch if settings.epoch is not None else int(time.time())
     hello = Hello(engine_id=settings.engine_id, epoch=epoch, geometry=geometry,
@@ -89,7 +98,52 @@ def build_service(settings: EngineSettings):
         gateway_cmd=settings.engine_cmd_address, gateway_out=settings.engine_out_address,
         controller=settings.controller_address,
     )  # fmt: skip
-    return EngineService(core, hello, addresses)
+    return EngineService(core, hello, addresses, wait_timeout_s=settings.wait_timeout_s,
+                         drain_timeout_s=settings.drain_timeout_s,
+                         status_interval_s=settings.status_interval_s)  # fmt: skip
+
+
+def pool_capacity(settings: EngineSettings, loaded, options) -> int:
+    """KV token slots to allocate: `--capacity-tokens`, or what a KV memory budget holds.
+
+    A budget (`--kv-memory-gib` or `--kv-memory-fraction` of the device's memory), less a
+    hybrid model's recurrent state (allocated for every slot), is divided by the scheme's bytes
+    per token from the scheme registry (`services/engine/sizing.py`), in whole pages: the figure
+    `buttermilk pool-size` predicts for an attention-only model.
+
+    Raises:
+        BadRequest: both a budget and `--capacity-tokens`, both budgets, or a budget that
+            holds no page.
+    """
+    from services.engine import sizing
+    from services.engine.cache.state_pool import probe_state_specs
+
+    if settings.kv_memory_gib is None and settings.kv_memory_fraction is None:
+        return settings.capacity_tokens
+    if "capacity_tokens" in settings.model_fields_set:
+        raise BadRequest("give --capacity-tokens or a KV memory budget (--kv-memory-gib, --kv-memory-fraction), not both")
+    try:
+        budget = sizing.budget_bytes(memory_gib=settings.kv_memory_gib, memory_fraction=settings.kv_memory_fraction)
+        geometry = sizing.KVGeometry.from_config(loaded.config, loaded.dtype)
+        per_token = sizing.bytes_per_token(options.scheme, geometry, raw_layers=options.raw_layers)
+        state = settings.max_slots * sum(s.nbytes for s in probe_state_specs(loaded.model))
+        return sizing.capacity_tokens(budget, per_token, page_size=settings.page_size, state_bytes=state)
+    except ValueError as exc:
+        raise BadRequest(f"KV memory budget: {exc}") from None
+
+
+def log_pool(engine_id: str, geo: dict) -> None:
+    """Log the pool's size and vLLM's "maximum concurrency" line at the context cap."""
+    from services.engine.sizing import GIB, concurrency_line, max_concurrency
+    from shared.logging import get_logger
+
+    capacity, context = geo["capacity_tokens"], geo["max_context"]
+    concurrency = max_concurrency(capacity, context, page_size=geo["page_size"], window=geo.get("window_tokens"))
+    get_logger("engine", engine_id=engine_id).info(
+        "kv_pool", kv_cache=geo["kv_cache"], bytes_per_token=geo["bytes_per_token"], capacity_tokens=capacity,
+        kv_gib=round(capacity * geo["bytes_per_token"] / GIB, 3), max_slots=geo["max_slots"],
+        message=f"KV cache size: {capacity:,} tokens; {concurrency_line(context, concurrency)}",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """Run the gateway: clients' ROUTER socket, tokenizer and chat templates, queue, streaming.
 
-Loads only the tokenizer and config of `--model` (never the weights). Settings come from
-BUTTERMILK_* environment variables; flags override them.
+Loads only the tokenizer and config of `--model` (never the weights). Also serves the
+OpenAI-compatible HTTP API, /health, /ready and /metrics on `--http-address` (`off`: none),
+on the same event loop. Settings come from BUTTERMILK_* environment variables; flags override them.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 
 from pydantic import Field
 
+from shared.errors import BadRequest
 from shared.settings import ModelSettings
 
 from .controller import DEFAULT_CONTROLLER_ADDRESS, add_settings_arguments, parse_settings
@@ -18,6 +20,7 @@ from .options import add_model_arguments
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_ENGINE_CMD_ADDRESS = "tcp://127.0.0.1:5556"
 DEFAULT_ENGINE_OUT_ADDRESS = "tcp://127.0.0.1:5557"
+DEFAULT_HTTP_ADDRESS = "127.0.0.1:8000"
 
 
 class GatewaySettings(ModelSettings):
@@ -31,6 +34,14 @@ class GatewaySettings(ModelSettings):
     max_tokens_cap: int = Field(4096, ge=1, description="server cap on max_tokens")
     engine_timeout_s: float = Field(5.0, gt=0, description="an engine silent this long is declared dead, seconds")
     control_timeout_s: float = Field(5.0, gt=0, description="longest wait for the controller, seconds")
+    drain_timeout_s: float = Field(5.0, ge=0, description="on shutdown, how long running requests may finish, seconds")
+    client_max_active: int = Field(4, ge=1, description="requests one connection may run at once")
+    client_max_queued: int = Field(16, ge=0, description="requests one connection may have waiting")
+    client_max_sessions: int = Field(8, ge=0, description="live sessions one connection may have started")
+    client_max_leases: int = Field(4, ge=0, description="live leases one connection may have opened")
+    client_max_pending_control: int = Field(16, ge=1, description="control requests one connection may have waiting for the controller")
+    http_address: str = Field(DEFAULT_HTTP_ADDRESS, description="HOST:PORT of the OpenAI-compatible HTTP API and /metrics, or off")
+    served_model_name: str | None = Field(None, description="comma-separated model names the HTTP API answers to; the first is listed (default: the model's name, then --model)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser, GatewaySettings, skip=ModelSettings.model_fields)
 
 
-def build_core(settings: GatewaySettings):
+def build_core(settings: GatewaySettings, observer=None):
     """Load the tokenizer of `settings.model` and build a `GatewayCore` around it.
+
+    Args:
+        settings (GatewaySettings): parsed settings.
+        observer (StreamObserver | None): told every request and engine fact (metrics).
 
     Raises:
         ModelNotFound: the model spec names nothing usable.
@@ -50,6 +65,7 @@ def build_core(settings: GatewaySettings):
     from services.engine.model.loader import LoadedModel, resolve_dtype
     from services.engine.model.paths import resolve_model
     from services.engine.runtime import cache_options
+    from services.gateway.clients import ClientLimits
     from services.gateway.core import GatewayCore
     from services.gateway.engines import EngineTable
     from services.gateway.prompts import Prompter
@@ -69,17 +85,49 @@ def build_core(settings: GatewaySettings):
         tokenizer, vocab_size=int(text_config.get("vocab_size") or len(tokenizer)), max_context=options.max_context,
         max_tokens_cap=settings.max_tokens_cap,
     )  # fmt: skip
-    pool = GenerationSessionPool(settings.max_active_sessions, settings.max_queue, settings.queue_timeout_s)
+    pool = GenerationSessionPool(
+        settings.max_active_sessions, settings.max_queue, settings.queue_timeout_s,
+        client_max_active=settings.client_max_active, client_max_queued=settings.client_max_queued,
+    )  # fmt: skip
+    limits = ClientLimits(
+        max_active=settings.client_max_active, max_queued=settings.client_max_queued,
+        max_sessions=settings.client_max_sessions, max_leases=settings.client_max_leases,
+        max_pending_control=settings.client_max_pending_control,
+    )  # fmt: skip
     return GatewayCore(prompter, pool, EngineTable(settings.engine_timeout_s),
-                       control_timeout_s=settings.control_timeout_s)  # fmt: skip
+                       control_timeout_s=settings.control_timeout_s, limits=limits, observer=observer)  # fmt: skip
+
+
+def served_model_names(spec: str) -> str:
+    """The default `--served-model-name` for a `--model` spec: its name, then the spec itself."""
+    from pathlib import Path
+
+    from services.engine.model.paths import DEFAULT_MODEL_NAME
+
+    path = Path(spec).expanduser()
+    name = DEFAULT_MODEL_NAME if spec == "default" else (path.stem if path.suffix.lower() == ".gguf" else path.name)
+    return ",".join(dict.fromkeys(n for n in (name, spec) if n))
+
+
+def http_options(settings: GatewaySettings, max_context: int):
+    """The model id (the first served name) and aliases the HTTP API answers to."""
+    from services.http.app import HttpOptions
+
+    names = [n.strip() for n in (settings.served_model_name or served_model_names(settings.model)).split(",") if n.strip()]
+    if not names:
+        raise BadRequest("--served-model-name: give at least one name")
+    return HttpOptions(model_id=names[0], aliases=frozenset(names[1:]), max_context=max_context)
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from services.gateway.metrics import GatewayMetrics
     from services.gateway.service import GatewayAddresses, GatewayService
+    from services.http.app import build_app
+    from services.http.server import DISABLED, bind, make_server, serve_with_http
     from services.supervisor import die_with_parent, install_stop_handlers
-    from shared.logging import configure_logging
+    from shared.logging import configure_logging, get_logger
 
     settings = parse_settings(GatewaySettings, args)
     configure_logging(json=settings.log_json, level=settings.log_level)
@@ -88,11 +136,20 @@ def run(args: argparse.Namespace) -> int:
         client=settings.address, engine_cmd=settings.engine_cmd_address,
         engine_out=settings.engine_out_address, controller=settings.controller_address,
     )  # fmt: skip
-    service = GatewayService(build_core(settings), addresses)
+    sock = None if settings.http_address == DISABLED else bind(settings.http_address)  # fail before loading
+    metrics = GatewayMetrics()
+    core = build_core(settings, observer=metrics)
+    options = http_options(settings, core.prompter.max_context)
+    service = GatewayService(core, addresses, drain_timeout_s=settings.drain_timeout_s)
 
     async def main() -> None:
         install_stop_handlers(service.stop)
-        await service.run()
+        if sock is None:
+            await service.run()
+            return
+        host, port = sock.getsockname()[:2]
+        get_logger("gateway").info("http_ready", url=f"http://{host}:{port}/v1", model=options.model_id)
+        await serve_with_http(service, make_server(build_app(service, metrics, options)), sock)
 
     asyncio.run(main())
     return 0

@@ -1,7 +1,8 @@
 """Show the model geometry and, with --layer-trace, each layer's cache after a short prompt.
 
 Per layer: cache kind, scheme, window, live tokens, stored field shapes and dtypes, bytes
-held, bytes per token and the ratio to a raw cache in the model dtype.
+held, bytes per token and the ratio to a raw cache in the model dtype; for a hybrid model,
+its recurrent layers' state and the state bytes each engine slot holds.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from shared.logging import configure_logging
     from services.engine.cache import make_layer_caches
-    from services.engine.cache.report import geometry, layer_report
+    from services.engine.cache.report import geometry, layer_reports, state_bytes_per_slot
     from services.engine.generate import prefill
     from services.engine.runtime import open_model
 
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     loaded, options = open_model(settings)
     report = {"model": str(loaded.path), "kv_cache": options.scheme, "max_context": options.max_context,
               "window": None if options.window is None else {"size": options.window.max_size, "keep": options.window.keep},
-              **geometry(loaded)}
+              **geometry(loaded), "state_bytes_per_slot": state_bytes_per_slot(loaded.model)}
     if args.layer_trace:
         caches = make_layer_caches(loaded.model, options)
         ids = list(loaded.tokenizer.encode(args.prompt))
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
         mx.eval(prefill(loaded.model, caches, ids, chunk=settings.prefill_chunk))
         report["prompt_tokens"] = len(ids)
-        report["layers"] = [layer_report(i, c, loaded.dtype) for i, c in enumerate(caches)]
+        report["layers"] = layer_reports(caches, loaded.dtype)
         report["kv_bytes"] = sum(c.nbytes for c in caches)
     if args.json:
         print(json.dumps(report))

@@ -23,7 +23,7 @@ from shared.settings import ModelSettings
 
 from .controller import ControllerSettings, add_settings_arguments, parse_settings
 from .engine import EngineSettings
-from .gateway import GatewaySettings
+from .gateway import GatewaySettings, served_model_names
 from .options import add_model_arguments
 
 # Fields serve decides for its children rather than passing through.
@@ -115,6 +115,7 @@ def build_plan(args: argparse.Namespace, run_dir: Path):
         BadRequest: a setting fails validation.
     """
     from services.engine.model.paths import resolve_model
+    from services.http.server import DISABLED
     from services.supervisor import ChildSpec, SupervisorPlan
 
     serve = parse_settings(ServeSettings, args)
@@ -143,16 +144,20 @@ def build_plan(args: argparse.Namespace, run_dir: Path):
         for i in range(serve.engines)
     )  # fmt: skip
     gateway = GatewaySettings(**{n: v for n, v in given.items() if n in GatewaySettings.model_fields})
+    names = gateway.served_model_name or served_model_names(model.model)  # the gateway gets a folder path
     return SupervisorPlan(
         controller=ChildSpec("controller", argv("controller", ControllerSettings)),
-        gateway=ChildSpec("gateway", argv("gateway", GatewaySettings)),
+        gateway=ChildSpec("gateway", argv("gateway", GatewaySettings, served_model_name=names)),
         engines=engines,
         controller_address=ipc["controller_address"],
         client_address=gateway.address,
+        drain_timeout_s=gateway.drain_timeout_s,
+        http_address=None if gateway.http_address == DISABLED else gateway.http_address,
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.http.server import check_free
     from services.supervisor import Supervisor, check_client_address
     from shared.logging import configure_logging
 
@@ -165,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = build_plan(args, run_dir)
         check_client_address(plan.client_address)  # a bad or busy address: exit 2 before any child
+        if plan.http_address is not None:
+            check_free(plan.http_address)
         return Supervisor(plan).run()
     finally:
         if own_dir:

@@ -16,6 +16,15 @@ the session's `tokens_held`, and `release(..., keep_session_tokens=n)` replaces 
 the engine's own count `n` of KV tokens it keeps for the session. On an engine whose every
 layer keeps a sliding window of `w` tokens, a request's liability is capped at `w`.
 
+Slots: an engine holds `max_slots` sequences. Each session (between turns or not) and each
+reservation without a session takes one; a continued session turn uses its session's. A
+request fits an engine when both its tokens and, if it needs one, a slot are free. Sessions
+between turns can be evicted, oldest idle first, to make room (`make_room`, `room.py`).
+
+Owners: every reservation, lease and session belongs to the gateway instance that made it
+(`gateway_id`); `drop_gateway` releases them all when that instance is replaced or falls
+silent for `gateway_timeout_s` (`expire`).
+
 Engine liveness: HELLO and heartbeats refresh `last_seen`; with `engine_timeout_s` set,
 `expire(now)` declares an engine silent for that long dead, like `engine_dead`.
 """
@@ -27,6 +36,7 @@ from dataclasses import replace
 
 from shared.errors import BadRequest, LeaseExpired, Overloaded
 
+from .room import choose_engine, eviction_plan
 from .ledger_types import (
     EngineRecord,
     EngineRelease,
@@ -46,6 +56,7 @@ __all__ = [
 
 DEFAULT_SESSION_IDLE_TTL_S = 300.0
 DEFAULT_RETRY_AFTER_MS = 250
+DEFAULT_MAX_LEASES = 10_000
 
 
 class Ledger:
@@ -58,9 +69,12 @@ class Ledger:
             capacity frees, so this is a fixed, configured value. Default: 250 ms.
         engine_timeout_s (float | None): `expire` declares an engine dead after this many
             seconds without a HELLO or heartbeat. None: never (only `engine_dead`).
+        gateway_timeout_s (float | None): `expire` releases everything of a gateway instance
+            silent this many seconds. None: only `drop_gateway` does.
+        max_leases (int): leases open at once, all clients together; more is `Overloaded`.
 
     Raises:
-        ValueError: a non-positive TTL or timeout, or a negative `retry_after_ms`.
+        ValueError: a non-positive TTL, timeout or lease cap, or a negative `retry_after_ms`.
     """
 
     def __init__(
@@ -69,14 +83,20 @@ class Ledger:
         session_idle_ttl_s: float = DEFAULT_SESSION_IDLE_TTL_S,
         retry_after_ms: int = DEFAULT_RETRY_AFTER_MS,
         engine_timeout_s: float | None = None,
+        gateway_timeout_s: float | None = None,
+        max_leases: int = DEFAULT_MAX_LEASES,
     ):
-        if not session_idle_ttl_s > 0 or retry_after_ms < 0:
-            raise ValueError("session_idle_ttl_s must be > 0 and retry_after_ms >= 0")
-        if engine_timeout_s is not None and not engine_timeout_s > 0:
-            raise ValueError(f"engine_timeout_s must be > 0, got {engine_timeout_s}")
+        if not session_idle_ttl_s > 0 or retry_after_ms < 0 or max_leases < 1:
+            raise ValueError("session_idle_ttl_s must be > 0, retry_after_ms >= 0, max_leases >= 1")
+        for name, value in (("engine_timeout_s", engine_timeout_s), ("gateway_timeout_s", gateway_timeout_s)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         self._session_idle_ttl_s = session_idle_ttl_s
         self._retry_after_ms = retry_after_ms
         self._engine_timeout_s = engine_timeout_s
+        self._gateway_timeout_s = gateway_timeout_s
+        self._max_leases = max_leases
+        self._gateways: dict[str, float] = {}  # gateway_id -> last_seen, monotonic seconds
         self._engines: dict[str, EngineRecord] = {}
         self._dead_epochs: dict[str, int] = {}  # engine_id -> highest epoch declared dead
         self._leases: dict[str, Lease] = {}
@@ -94,6 +114,7 @@ class Ledger:
         bytes_per_token: int,
         *,
         window_tokens: int | None = None,
+        max_slots: int | None = None,
         now: float = 0.0,
         report: EngineReport | None = None,
     ) -> Released:
@@ -106,6 +127,7 @@ class Ledger:
             capacity_tokens (int): KV tokens its cache holds, all slots together.
             bytes_per_token (int): bytes one KV token costs, all layers.
             window_tokens (int | None): sliding window on every layer, tokens; caps liability.
+            max_slots (int | None): sequences it holds at once; None: slots are not counted.
             now (float): monotonic seconds; starts the liveness timer.
             report (EngineReport | None): pid and slots, for stats.
 
@@ -117,18 +139,20 @@ class Ledger:
             raise BadRequest("engine geometry needs capacity_tokens >= 1, bytes_per_token >= 0")
         if window_tokens is not None and window_tokens < 1:
             raise BadRequest(f"window_tokens must be >= 1, got {window_tokens}")
+        if max_slots is not None and max_slots < 1:
+            raise BadRequest(f"max_slots must be >= 1, got {max_slots}")
         if self.is_stale(engine_id, epoch):
             raise BadRequest(f"engine {engine_id} epoch {epoch} is stale")
         live = self._engines.get(engine_id)
         if live and live.epoch == epoch:
             live.capacity_tokens, live.bytes_per_token = capacity_tokens, bytes_per_token
             live.window_tokens, live.last_seen = window_tokens, now
-            live.report = report or live.report
+            live.max_slots, live.report = max_slots, report or live.report
             return Released()
         released = self.engine_dead(engine_id, live.epoch) if live else Released()
         self._engines[engine_id] = EngineRecord(
             engine_id, epoch, capacity_tokens, bytes_per_token, window_tokens=window_tokens,
-            last_seen=now, report=report or EngineReport(),
+            max_slots=max_slots, last_seen=now, report=report or EngineReport(),
         )  # fmt: skip
         return released
 
@@ -171,12 +195,19 @@ class Ledger:
 
     # ---- leases -------------------------------------------------------------------------
 
-    def open_lease(self, ttl_s: float, now: float) -> Lease:
-        """Open a lease that expires `ttl_s` seconds after `now` unless renewed."""
+    def open_lease(self, ttl_s: float, now: float, *, gateway_id: str | None = None) -> Lease:
+        """Open a lease that expires `ttl_s` seconds after `now` unless renewed.
+
+        Raises:
+            BadRequest: `ttl_s` is not a positive finite number of seconds.
+            Overloaded: `max_leases` leases are open.
+        """
         if not 0 < ttl_s < float("inf"):
             raise BadRequest(f"ttl_s must be a positive number of seconds, got {ttl_s}")
+        if len(self._leases) >= self._max_leases:
+            raise Overloaded(f"{len(self._leases)} leases are open (max_leases)", self._retry_after_ms)
         lease_id = f"lease-{secrets.token_hex(8)}"
-        self._leases[lease_id] = Lease(lease_id, ttl_s, now + ttl_s)
+        self._leases[lease_id] = Lease(lease_id, ttl_s, now + ttl_s, gateway_id=gateway_id)
         return self._leases[lease_id]
 
     def renew(self, lease_id: str, now: float) -> Lease:
@@ -203,6 +234,10 @@ class Ledger:
         marked `engine_dead`.
         """
         released = Released()
+        if self._gateway_timeout_s is not None:
+            deadline = now - self._gateway_timeout_s
+            for gateway_id in [g for g, seen in self._gateways.items() if seen <= deadline]:
+                self._merge(released, self.drop_gateway(gateway_id))
         if self._engine_timeout_s is not None:
             deadline = now - self._engine_timeout_s
             for engine in [e for e in self._engines.values() if e.last_seen <= deadline]:
@@ -212,6 +247,24 @@ class Ledger:
         for sess in list(self._sessions.values()):
             if sess.resv_id is None and sess.idle_expires_at <= now:
                 self._drop_session(sess, released)
+        return released
+
+    # ---- gateways -----------------------------------------------------------------------
+
+    def gateway_seen(self, gateway_id: str, now: float) -> None:
+        """Record that a gateway instance is live (its heartbeat)."""
+        self._gateways[gateway_id] = now
+
+    def drop_gateway(self, gateway_id: str) -> Released:
+        """Release every reservation, lease and session the gateway instance made."""
+        released = Released()
+        self._gateways.pop(gateway_id, None)
+        for resv in [r for r in self._reservations.values() if r.gateway_id == gateway_id]:
+            self._drop_reservation(resv, released)
+        for lease in [x for x in self._leases.values() if x.gateway_id == gateway_id]:
+            self._end_lease(lease.lease_id, released)
+        for sess in [s for s in self._sessions.values() if s.gateway_id == gateway_id]:
+            self._drop_session(sess, released)
         return released
 
     # ---- reservations -------------------------------------------------------------------
@@ -225,6 +278,42 @@ class Ledger:
             return False
         return self._choose(tokens, engine_id, session) is not None
 
+    def make_room(
+        self,
+        tokens: int,
+        *,
+        now: float,
+        lease_id: str | None = None,
+        session_id: str | None = None,
+        new_session: bool | None = None,
+    ) -> Released:
+        """Evict idle sessions, oldest idle first, so that `reserve` of this request fits.
+
+        Changes nothing when the request fits already, is invalid, or would not fit even
+        after evicting every idle session of its candidate engines. Never evicts the
+        request's own session.
+
+        Returns:
+            Released: the evicted sessions (tell their engines and the gateway).
+        """
+        released = Released()
+        try:
+            if tokens < 1:
+                return released
+            if lease_id is not None:
+                self._live_lease(lease_id, now)
+            session = self._usable_session(session_id, lease_id, new_session)
+        except (BadRequest, LeaseExpired):
+            return released
+        if self._choose(tokens, None, session) is not None:
+            return released
+        candidates = [self._engines[session.engine_id]] if session else list(self._engines.values())
+        idle = [s for s in self._sessions.values() if s.resv_id is None and s.session_id != session_id]
+        plan = eviction_plan(candidates, idle, tokens, needs_slot=session is None)
+        for victim in plan[1] if plan else []:
+            self._drop_session(victim, released)
+        return released
+
     def reserve(
         self,
         request_id: str,
@@ -235,6 +324,7 @@ class Ledger:
         session_id: str | None = None,
         new_session: bool | None = None,
         engine_id: str | None = None,
+        gateway_id: str | None = None,
     ) -> Reservation:
         """Hold `tokens` of KV capacity on the live engine with the most free tokens.
 
@@ -249,6 +339,8 @@ class Ledger:
             new_session (bool | None): True: `session_id` must not be live; False: it must be
                 live; None: either.
             engine_id (str | None): preferred engine, used when the request fits there.
+            gateway_id (str | None): the gateway instance asking; the reservation (and a
+                session it starts) is released with it.
 
         Returns:
             Reservation: the new reservation (frozen; the ledger keeps its own reference).
@@ -258,7 +350,8 @@ class Ledger:
             BadRequest: tokens < 1, the session has a turn in flight or another lease, is live
                 but `new_session` is True or unknown but `new_session` is False, or the request
                 can never fit any candidate engine's capacity.
-            Overloaded: no live engine, or it does not fit now (`retry_after_ms` set).
+            Overloaded: no live engine, or no engine has the tokens and, unless it is a
+                continued session turn, a slot free now (`retry_after_ms` set).
         """
         if tokens < 1:
             raise BadRequest(f"a reservation needs at least 1 token, got {tokens}")
@@ -268,7 +361,8 @@ class Ledger:
         self._check_can_ever_fit(tokens, session)
         engine = self._choose(tokens, engine_id, session)
         if engine is None:
-            raise Overloaded(f"no engine has {tokens} free tokens now", self._retry_after_ms)
+            slot = " and a free slot" if session is None else ""
+            raise Overloaded(f"no engine has {tokens} free tokens{slot} now", self._retry_after_ms)
         if lease_id is not None:
             self.renew(lease_id, now)
         tokens = engine.liability(tokens)
@@ -281,9 +375,11 @@ class Ledger:
             engine_id=engine.engine_id,
             epoch=engine.epoch,
             tokens_reserved=tokens,
+            gateway_id=gateway_id,
         )
         self._reservations[resv.resv_id] = resv
         engine.reserved_tokens += tokens
+        engine.used_slots += session_id is None
         if session_id is not None:
             self._start_turn(session, session_id, resv, now)
         return resv
@@ -318,6 +414,7 @@ class Ledger:
         if resv is None:
             return None
         self._engines[resv.engine_id].reserved_tokens -= resv.liability_tokens
+        self._engines[resv.engine_id].used_slots -= resv.session_id is None
         session = self._sessions.get(resv.session_id) if resv.session_id else None
         if session is not None and session.resv_id == resv_id:
             if keep_session_tokens is None:
@@ -354,7 +451,7 @@ class Ledger:
         engines = [
             EngineUsage(
                 e.engine_id, e.epoch, e.capacity_tokens, e.reserved_tokens, e.held_tokens,
-                e.free_tokens, e.bytes_per_token, e.report,
+                e.free_tokens, e.bytes_per_token, e.report, e.used_slots, e.max_slots,
             )
             for e in sorted(self._engines.values(), key=lambda e: e.engine_id)
         ]  # fmt: skip
@@ -368,8 +465,13 @@ class Ledger:
                 r.liability_tokens for r in self._reservations.values() if r.engine_id == mine
             )
             held = sum(s.tokens_held for s in self._sessions.values() if s.engine_id == mine)
-            if (reserved, held) != (engine.reserved_tokens, engine.held_tokens):
-                raise AssertionError(f"{engine.engine_id}: counters {engine} != {reserved}, {held}")
+            slots = sum(1 for s in self._sessions.values() if s.engine_id == mine) + sum(
+                1 for r in self._reservations.values() if r.engine_id == mine and r.session_id is None
+            )
+            if (reserved, held, slots) != (engine.reserved_tokens, engine.held_tokens, engine.used_slots):
+                raise AssertionError(f"{engine.engine_id}: counters {engine} != {reserved}, {held}, {slots}")
+            if engine.max_slots is not None and engine.used_slots > engine.max_slots:
+                raise AssertionError(f"{engine.engine_id}: {engine.used_slots} slots of {engine.max_slots}")
         for item in [*self._reservations.values(), *self._sessions.values()]:
             live = self._engines.get(item.engine_id)
             if live is None or live.epoch != item.epoch:
@@ -424,14 +526,8 @@ class Ledger:
         self, tokens: int, engine_id: str | None, session: HeldSession | None
     ) -> EngineRecord | None:
         if session is not None:
-            candidates = [self._engines[session.engine_id]]
-        else:
-            candidates = list(self._engines.values())
-        fitting = [e for e in candidates if e.free_tokens >= e.liability(tokens)]
-        preferred = [e for e in fitting if e.engine_id == engine_id]
-        if preferred or not fitting:
-            return preferred[0] if preferred else None
-        return min(fitting, key=lambda e: (-e.free_tokens, e.engine_id))
+            return choose_engine([self._engines[session.engine_id]], tokens, needs_slot=False, hint=engine_id)
+        return choose_engine(self._engines.values(), tokens, needs_slot=True, hint=engine_id)
 
     def _start_turn(
         self, session: HeldSession | None, session_id: str, resv: Reservation, now: float
@@ -444,7 +540,9 @@ class Ledger:
                 lease_id=resv.lease_id,
                 tokens_held=0,
                 idle_expires_at=now + self._session_idle_ttl_s,
+                gateway_id=resv.gateway_id,
             )
+            self._engines[resv.engine_id].used_slots += 1
         self._sessions[session_id] = replace(session, resv_id=resv.resv_id)
 
     def _end_turn(self, session: HeldSession, tokens_held: int, now: float) -> None:
@@ -456,7 +554,12 @@ class Ledger:
 
     @staticmethod
     def _merge(into: Released, other: Released) -> None:
-        into.engines.update(other.engines)
+        for engine_id, part in other.engines.items():
+            mine = into.part(engine_id, part.epoch)
+            mine.resv_ids += part.resv_ids
+            mine.request_ids += part.request_ids
+            mine.session_ids += part.session_ids
+            mine.engine_dead |= part.engine_dead
         into.lease_ids.extend(other.lease_ids)
 
     def _end_lease(self, lease_id: str, released: Released) -> None:
@@ -470,6 +573,7 @@ class Ledger:
     def _drop_reservation(self, resv: Reservation, released: Released) -> None:
         del self._reservations[resv.resv_id]
         self._engines[resv.engine_id].reserved_tokens -= resv.liability_tokens
+        self._engines[resv.engine_id].used_slots -= resv.session_id is None
         part = released.part(resv.engine_id, resv.epoch)
         part.resv_ids.append(resv.resv_id)
         part.request_ids.append(resv.request_id)
@@ -480,4 +584,5 @@ class Ledger:
     def _drop_session(self, session: HeldSession, released: Released) -> None:
         del self._sessions[session.session_id]
         self._engines[session.engine_id].held_tokens -= session.tokens_held
+        self._engines[session.engine_id].used_slots -= 1
         released.part(session.engine_id, session.epoch).session_ids.append(session.session_id)

@@ -16,6 +16,7 @@ class EngineReport:
     max_slots: int = 0  # sequences it can hold at once
     used_slots: int = 0  # slots held now, sessions between turns included
     engine_tokens: int = 0  # KV tokens its cache holds now
+    prefix_cache: object | None = None  # its prefix cache figures (a wire `PrefixCacheUsage`), relayed as is
 
 
 @dataclass(slots=True)
@@ -27,14 +28,25 @@ class EngineRecord:
     capacity_tokens: int
     bytes_per_token: int
     window_tokens: int | None = None  # sliding window on every layer: most KV tokens kept
+    max_slots: int | None = None  # sequences it holds at once; None: slots are not counted
     last_seen: float = 0.0  # monotonic seconds of its HELLO or latest heartbeat
     report: EngineReport = field(default_factory=EngineReport)
     reserved_tokens: int = 0  # sum of reservation liabilities
     held_tokens: int = 0  # sum of session holds
+    used_slots: int = 0  # sessions (between turns or not) + reservations without a session
 
     @property
     def free_tokens(self) -> int:
         return max(0, self.capacity_tokens - self.reserved_tokens - self.held_tokens)
+
+    @property
+    def free_slots(self) -> int | None:
+        return None if self.max_slots is None else max(0, self.max_slots - self.used_slots)
+
+    def fits(self, tokens: int, *, needs_slot: bool) -> bool:
+        """Whether a request of `tokens` (and a new slot, if `needs_slot`) fits now."""
+        has_slot = not needs_slot or self.free_slots is None or self.free_slots > 0
+        return has_slot and self.free_tokens >= self.liability(tokens)
 
     def liability(self, tokens: int) -> int:
         """Tokens a request of `tokens` (prompt + max_tokens) can occupy here at most."""
@@ -46,6 +58,7 @@ class Lease:
     lease_id: str
     ttl_s: float  # renewal extends expiry to now + ttl_s, seconds
     expires_at: float  # monotonic seconds
+    gateway_id: str | None = None  # the gateway instance that opened it; ends with it
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +71,7 @@ class Reservation:
     epoch: int
     tokens_reserved: int  # prompt (new tokens only for a session turn) + capped max_tokens
     tokens_observed: int = 0  # KV tokens the engine reports this request has added
+    gateway_id: str | None = None  # the gateway instance that made it; released with it
 
     @property
     def liability_tokens(self) -> int:
@@ -73,6 +87,7 @@ class HeldSession:
     tokens_held: int  # KV tokens kept on the engine between turns
     idle_expires_at: float  # monotonic seconds; ignored while a turn is in flight
     resv_id: str | None = None  # the turn in flight, if any
+    gateway_id: str | None = None  # the gateway instance that started it; ends with it
 
 
 @dataclass(slots=True)
@@ -118,6 +133,8 @@ class EngineUsage:
     free_tokens: int
     bytes_per_token: int
     report: EngineReport
+    used_slots: int = 0  # the ledger's count: sessions + reservations without a session
+    max_slots: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

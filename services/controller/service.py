@@ -1,10 +1,12 @@
 """The controller process: one ROUTER socket around the `Ledger`, on zmq.asyncio.
 
-Peers connect DEALERs to the ROUTER: the gateway (routing id `gateway`: reservations,
-releases, leases, sessions, stats), every engine (HELLO, heartbeats, reconcile; it receives
+Peers connect DEALERs to the ROUTER: the gateway (routing id `gateway`: its heartbeat naming
+its instance, reservations, releases, leases, sessions, stats), every engine (HELLO, heartbeats, reconcile; it receives
 aborts and session closes) and the supervisor (`engine_dead`). `ControllerCore` maps each
 decoded message to ledger verbs and returns `(identity, message)` pairs to send; a timer calls
-`ledger.expire(now)` and tells engines and the gateway what that released.
+`ledger.expire(now)` and tells engines and the gateway what that released. What a gateway
+instance made belongs to it: when another instance takes over its connection, or it falls
+silent, its reservations, leases and sessions are released and their engines told.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from shared.protocol import (
     EngineDead,
     EngineSessionClose,
     EngineUsage,
+    GatewayHeartbeat,
     Heartbeat,
     Hello,
     Lease,
@@ -43,6 +46,7 @@ from shared.protocol import (
     SessionClosed,
     Stats,
     StatsReply,
+    MAX_FRAME_BYTES,
     decode,
     encode,
     error_reply,
@@ -73,6 +77,7 @@ class ControllerCore:
     def __init__(self, ledger: Ledger):
         self.ledger = ledger
         self.engines: dict[str, EnginePeer] = {}
+        self.gateways: dict[bytes, str] = {}  # routing identity -> live gateway instance on it
         self.log = get_logger("controller")
 
     def handle(self, identity: bytes, msg: Message, now: float) -> Outgoing:
@@ -95,14 +100,9 @@ class ControllerCore:
         ledger = self.ledger
         match msg:
             case Reserve():
-                resv = ledger.reserve(
-                    msg.request_id, msg.tokens, now=now, lease_id=msg.lease_id,
-                    session_id=msg.session_id, new_session=msg.new_session,
-                    engine_id=msg.engine_id,
-                )  # fmt: skip
-                reply = Reserved(request_id=msg.request_id, resv_id=resv.resv_id,
-                                 engine_id=resv.engine_id, epoch=resv.epoch)  # fmt: skip
-                return [(identity, reply)]
+                return self._reserve(identity, msg, now)
+            case GatewayHeartbeat():
+                return self._gateway_heartbeat(identity, msg, now)
             case Release():
                 return self._release(msg, now)
             case Reconcile():
@@ -122,7 +122,7 @@ class ControllerCore:
         ledger = self.ledger
         match msg:
             case LeaseOpen():
-                lease = ledger.open_lease(msg.ttl_s, now)
+                lease = ledger.open_lease(msg.ttl_s, now, gateway_id=self.gateways.get(identity))
                 return [(identity, Lease(id=msg.id, lease_id=lease.lease_id, ttl_s=lease.ttl_s))]
             case LeaseRenew():
                 lease = ledger.renew(msg.lease_id, now)
@@ -138,6 +138,35 @@ class ControllerCore:
             case Stats():
                 return [(identity, self._stats(msg.id))]
         raise ProtocolError(f"message type {msg.TYPE.value!r} is not handled by the controller")
+
+    def _reserve(self, identity: bytes, msg: Reserve, now: float) -> Outgoing:
+        """Evict idle sessions if that makes room, then reserve (or refuse)."""
+        ledger = self.ledger
+        evicted = ledger.make_room(msg.tokens, now=now, lease_id=msg.lease_id,
+                                   session_id=msg.session_id, new_session=msg.new_session)  # fmt: skip
+        out = self._announce(evicted, ErrorCode.CANCELLED)
+        if evicted.session_ids:
+            self.log.info("sessions_evicted", sessions=len(evicted.session_ids), for_request=msg.request_id)
+        resv = ledger.reserve(
+            msg.request_id, msg.tokens, now=now, lease_id=msg.lease_id, session_id=msg.session_id,
+            new_session=msg.new_session, engine_id=msg.engine_id, gateway_id=self.gateways.get(identity),
+        )  # fmt: skip
+        reply = Reserved(request_id=msg.request_id, resv_id=resv.resv_id, engine_id=resv.engine_id,
+                         epoch=resv.epoch)  # fmt: skip
+        return [*out, (identity, reply)]
+
+    def _gateway_heartbeat(self, identity: bytes, msg: GatewayHeartbeat, now: float) -> Outgoing:
+        """Note the live gateway instance; a new one on a known connection replaces the old."""
+        previous = self.gateways.get(identity)
+        self.gateways[identity] = msg.gateway_id
+        self.ledger.gateway_seen(msg.gateway_id, now)
+        if previous is None or previous == msg.gateway_id:
+            return []
+        released = self.ledger.drop_gateway(previous)
+        self.log.warning("gateway_replaced", old=previous, new=msg.gateway_id,
+                         requests=len(released.request_ids), sessions=len(released.session_ids),
+                         leases=len(released.lease_ids))  # fmt: skip
+        return self._announce(released, ErrorCode.CANCELLED, tell_gateway=False)
 
     def _release(self, msg: Release, now: float) -> Outgoing:
         resv = self.ledger.release(msg.resv_id, now=now, keep_session_tokens=msg.keep_session_tokens)
@@ -159,21 +188,22 @@ class ControllerCore:
         report = EngineReport(pid=msg.pid, max_slots=geo.slots)
         released = self.ledger.register_engine(
             msg.engine_id, msg.epoch, geo.capacity_tokens, geo.bytes_per_token,
-            window_tokens=geo.window_tokens, now=now, report=report,
+            window_tokens=geo.window_tokens, max_slots=geo.slots, now=now, report=report,
         )  # fmt: skip
         return self._announce(released, ErrorCode.ENGINE_FAILED)
 
     def _heartbeat(self, identity: bytes, msg: Heartbeat, now: float) -> Outgoing:
         peer = self.engines.get(msg.engine_id)
         report = EngineReport(pid=peer.pid if peer else None, max_slots=peer.max_slots if peer else 0,
-                              used_slots=msg.used_slots, engine_tokens=msg.tokens_used)  # fmt: skip
+                              used_slots=msg.used_slots, engine_tokens=msg.tokens_used,
+                              prefix_cache=msg.prefix_cache)  # fmt: skip
         if self.ledger.heartbeat(msg.engine_id, msg.epoch, now, report):
             return []
         if self.ledger.is_stale(msg.engine_id, msg.epoch):  # declared dead: it must restart
             return [(identity, EngineDead(engine_id=msg.engine_id, epoch=msg.epoch))]
         return []  # unknown (e.g. this controller restarted): its next HELLO registers it
 
-    def _announce(self, released: Released, code: ErrorCode) -> Outgoing:
+    def _announce(self, released: Released, code: ErrorCode, *, tell_gateway: bool = True) -> Outgoing:
         """Abort released work on live engines; tell the gateway what ended, and why."""
         out: Outgoing = []
         dead = {e: p for e, p in released.engines.items() if p.engine_dead}
@@ -186,6 +216,8 @@ class ControllerCore:
                 out.append((peer.identity, EngineAbort(ids=part.request_ids)))
             if part.session_ids:
                 out.append((peer.identity, EngineSessionClose(session_ids=part.session_ids)))
+        if not tell_gateway:
+            return out
         for engine_id, part in dead.items():
             out.append((GATEWAY_ROUTING_ID, EngineDead(engine_id=engine_id, epoch=part.epoch)))
         if dead:
@@ -201,8 +233,8 @@ class ControllerCore:
                 engine_id=e.engine_id, epoch=e.epoch, capacity_tokens=e.capacity_tokens,
                 reserved_tokens=e.reserved_tokens, held_tokens=e.held_tokens,
                 free_tokens=e.free_tokens, bytes_per_token=e.bytes_per_token,
-                used_slots=e.report.used_slots, max_slots=e.report.max_slots,
-                engine_tokens=e.report.engine_tokens, pid=e.report.pid,
+                used_slots=e.report.used_slots, max_slots=e.report.max_slots, reserved_slots=e.used_slots,
+                engine_tokens=e.report.engine_tokens, pid=e.report.pid, prefix_cache=e.report.prefix_cache,
             )
             for e in stats.engines
         ]  # fmt: skip
@@ -242,6 +274,8 @@ class ControllerService:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # larger frames are cut unread
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted gateway takes its routing id over
         self.sock.bind(self.address)
         self.log.info("controller_ready", address=self.address)
         tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._tick_loop())]

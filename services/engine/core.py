@@ -31,8 +31,8 @@ class RequestOutput:
     """What one step produced for one request.
 
     `num_prompt_tokens` counts every token the request conditions on (a session's history
-    plus this turn's new tokens); `num_cached_tokens` is the part of it that was already in
-    the session's cache and was not recomputed.
+    plus this turn's new tokens); `num_cached_tokens` is the part of it that was not computed:
+    held by the session's slot, or mapped from the prefix cache.
     """
 
     request_id: str
@@ -41,21 +41,33 @@ class RequestOutput:
     num_prompt_tokens: int  # tokens
     num_cached_tokens: int  # tokens
     tokens_held: int  # KV tokens the request's slot holds now (0 once freed; a session keeps its own)
-    bytes_held: int  # bytes of those tokens, all layers, K and V, metadata included
+    bytes_held: int  # bytes of those tokens, all layers, K and V, metadata included, plus the slot's recurrent state
     error: ButtermilkError | None = None  # set when finish_reason is "error"
 
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
-    """Capacity and what is held, per request and per kept session."""
+    """Capacity and what is held, per request and per kept session, and the prefix cache's activity."""
 
     capacity_tokens: int  # KV token slots of the cache
-    free_tokens: int  # token slots on the free list (released pages return after the step fence)
+    free_tokens: int  # token slots a request can take: free pages and unreferenced cached pages
     used_slots: int  # slots held by requests and sessions
     max_slots: int
     bytes_per_token: int  # one token slot across all layers
+    state_bytes_per_slot: int  # recurrent state of one slot, all layers (hybrid models; else 0)
     per_request: dict[str, tuple[int, int]]  # unfinished request id -> (tokens held, bytes held)
     sessions: dict[str, int]  # session id -> tokens held by its slot
+    held_tokens: int = 0  # token slots of pages held by slots, a shared page counted once
+    cached_pages: int = 0  # pages of K/V the prefix cache can hand out, held or not
+    evictable_pages: int = 0  # of them, pages no slot holds (counted in free_tokens)
+    prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admission, since start
+    prefix_hit_tokens: int = 0  # of them, tokens mapped instead of computed
+    evicted_pages: int = 0  # cached pages reclaimed for new K/V, since start
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Share of looked-up tokens found in the prefix cache (None before any lookup)."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else None
 
 
 class EngineCore:
@@ -69,10 +81,12 @@ class EngineCore:
         step_token_budget (int): Tokens per step, decode rows and prompt chunks together. Default: 512.
         page_size (int): Token slots per page. Default: 16.
         decode_window (int): Most decode steps per host sync while no prompt waits. Default: 8.
+        prefix_cache (bool): Share the full pages of common prompt prefixes between requests.
+            Default: True.
 
     Raises:
-        ValueError: a budget not above `max_slots` (a prompt could starve), an unsupported layer
-            kind (recurrent), an unknown scheme, or a model whose forward the caches cannot serve.
+        ValueError: a budget not above `max_slots` (a prompt could starve), a cache kind the
+            engine does not store, an unknown scheme, or a model whose forward the caches cannot serve.
     """
 
     def __init__(
@@ -85,16 +99,17 @@ class EngineCore:
         step_token_budget: int = 512,
         page_size: int = 16,
         decode_window: int = 8,
+        prefix_cache: bool = True,
     ):
         if step_token_budget <= max_slots:
             raise ValueError(f"step_token_budget {step_token_budget} must exceed max_slots {max_slots} "
                              "(prompt chunks get what a full decode batch leaves)")
         self.loaded, self.options = loaded, options
         self._model_geometry = model_geometry(loaded)
+        prefix_key = f"{loaded.path.resolve()}|{self._model_geometry['dtype']}" if prefix_cache else None
         self.cache = BatchedKVCache.for_model(
-            loaded.model, options, n_kv_heads=self._model_geometry["n_kv_heads"],
-            head_dim=self._model_geometry["head_dim"], capacity_tokens=capacity_tokens,
-            page_size=page_size, max_slots=max_slots,
+            loaded.model, options, capacity_tokens=capacity_tokens,
+            page_size=page_size, max_slots=max_slots, prefix_key=prefix_key,
         )
         self.scheduler = Scheduler(
             self.cache.slots, step_token_budget=step_token_budget, max_context=options.max_context,
@@ -110,13 +125,14 @@ class EngineCore:
         """Run one token through a scratch slot, so a model the caches cannot serve fails at start.
 
         Raises:
-            ValueError: the forward failed (e.g. keys and values of different widths, or an
-                attention the caches do not implement); the message names the scheme.
+            ValueError: the forward failed (e.g. an attention the caches do not implement);
+                the message names the scheme.
         """
         view = self.cache.acquire()
         try:
             batch = self.cache.batch([view], 1)
-            mx.eval(self.loaded.model(mx.zeros((1, 1), mx.uint32), cache=batch.layers), self.cache.arrays)
+            mx.eval(self.loaded.model(mx.zeros((1, 1), mx.uint32), cache=batch.layers), self.cache.arrays,
+                    self.cache.state_arrays)
         except (ValueError, TypeError, IndexError) as exc:
             raise ValueError(f"the engine cannot serve this model with --kv-cache {self.options.scheme}: {exc}") from exc
         finally:
@@ -179,15 +195,27 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         slots = self.cache.slots
+        prefix = slots.prefix
         return EngineStats(
             capacity_tokens=slots.capacity_tokens,
             free_tokens=slots.free_tokens,
             used_slots=slots.used_slots,
             max_slots=slots.max_slots,
             bytes_per_token=slots.bytes_per_token,
+            state_bytes_per_slot=slots.state_bytes_per_slot,
             per_request={rid: _held(r) for rid, r in self.scheduler.requests.items()},
             sessions={sid: s.slot.tokens_held if s.slot else 0 for sid, s in self.scheduler.sessions.items()},
+            held_tokens=slots.num_held_pages * slots.page_size,
+            cached_pages=prefix.num_cached_pages,
+            evictable_pages=prefix.num_evictable_pages,
+            prefix_query_tokens=prefix.counters.query_tokens,
+            prefix_hit_tokens=prefix.counters.hit_tokens,
+            evicted_pages=prefix.counters.evicted_pages,
         )
+
+    @property
+    def has_prefix_cache(self) -> bool:
+        return self.cache.slots.prefix.is_enabled
 
     @property
     def geometry(self) -> dict:
@@ -202,6 +230,7 @@ class EngineCore:
             "page_size": cache.page_size,
             "capacity_tokens": cache.capacity_tokens,
             "bytes_per_token": cache.bytes_per_token,
+            "state_bytes_per_slot": cache.state_bytes_per_slot,
             "max_slots": cache.slots.max_slots,
             "max_context": self.options.max_context,
             "window_tokens": cache.slots.max_live_tokens,

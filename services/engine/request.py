@@ -75,12 +75,15 @@ class Request:
         params (SamplingParams): How to sample; `params.max_tokens` is capped at admission.
         session_id (str | None): Keep the slot and its K/V after finishing; a later request
             with the same id continues from there.
+        session_tokens (int | None): A continued turn: the session's history length as its
+            client was told it, tokens; what the engine holds beyond that is cut first.
     """
 
     request_id: str
     prompt_token_ids: list[int] = field(repr=False)
     params: SamplingParams = field(repr=False)
     session_id: str | None = None
+    session_tokens: int | None = None
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     slot: SlotView | None = field(default=None, init=False)  # held from admission to finish
     num_cached_tokens: int = field(default=0, init=False)  # session positions already in the slot

@@ -10,6 +10,15 @@ step may write the main pools in place only when nothing launched still reads th
 The decode step is traced with `mx.compile` and replayed: building every layer's graph in
 Python each step is what bounds a GPU's decode rate at small batches. Prompt chunks run
 eagerly; each waits for what is in flight, so its writes land in place.
+
+Hybrid models' recurrent state rides along: a prompt chunk reads and writes its slot's state
+in the state pool; a window gathers its rows' state once, feeds it through the traced steps,
+and writes the last step's state back when the window is collected. A window's tokens past
+a request's ending advance the state too, and state cannot be cut back: so each window keeps
+its rows' starting state (`WindowStart`) until the next step is launched, and a session
+whose slot was truncated to that start (its checkpoint, `SlotTable.truncation_point`) gets
+it back — the next turn then computes the window's kept tokens again (at most a window's
+worth), instead of the whole conversation.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import numpy as np
 
 from .cache.batched import BatchedKVCache
 from .cache.decode_window import WindowIndex
+from .cache.pages import SlotView
 from .request import Request
 from .sampling import RequestSampler
 from .scheduler import PrefillChunk, StepPlan
@@ -36,6 +46,25 @@ class Launch:
     window_ids: list[str] = field(default_factory=list)  # decode rows, in batch order
     window_tokens: list[mx.array] = field(default_factory=list)  # per step, uint32 [B]
     window_plans: list[WindowIndex] = field(default_factory=list)  # to copy the tail back
+    window_start: WindowStart | None = None  # the rows' recurrent state before the window (hybrids)
+    window_states: list[mx.array] = field(default_factory=list)  # the rows' recurrent state after it
+
+
+@dataclass(frozen=True, slots=True)
+class WindowStart:
+    """A decode window's rows and their recurrent state at its start (the rows' checkpoints)."""
+
+    views: tuple[SlotView, ...]
+    starts: tuple[int, ...]  # each row's position at the window's start (tokens)
+    rows: list[mx.array]  # `BatchedKVCache.read_window_states` order, [B, ...] each
+
+    def restore(self, cache: BatchedKVCache) -> None:
+        """Write back the starting state of every row whose slot was truncated to its start."""
+        back = [i for i, (view, start) in enumerate(zip(self.views, self.starts))
+                if not view.is_stale and view.num_tokens == start]
+        if back:
+            picked = mx.array(back, mx.int32)
+            cache.write_window_states([self.views[i] for i in back], [mx.take(r, picked, axis=0) for r in self.rows])
 
 
 class ModelRunner:
@@ -50,6 +79,7 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self._samplers: dict[str, RequestSampler] = {}
         self._step = mx.compile(self._window_step)  # traced once per shape (rows, pages read), then replayed
+        self._window_start: WindowStart | None = None  # the last collected window's (hybrids)
 
     def run(self, plan: StepPlan) -> Launch:
         """Build and launch every forward of a step; nothing is waited for after the last launch.
@@ -58,6 +88,9 @@ class ModelRunner:
             CapacityExhausted: only if the plan asks for pages the scheduler did not reserve.
         """
         launch = Launch(step_id=self.cache.slots.launch_step())
+        if self._window_start is not None:  # before any forward reads the state pool
+            self._window_start.restore(self.cache)
+            self._window_start = None
         for chunk in plan.prefills:
             self._prefill(chunk, launch)
         if plan.decodes:
@@ -77,7 +110,10 @@ class ModelRunner:
             for row, rid in enumerate(launch.window_ids):
                 sampled[rid] = [step[row] for step in steps]
             self.cache.copy_from_tail(launch.window_plans)  # in place: nothing is in flight
-            mx.async_eval(self.cache.arrays)
+            if launch.window_start is not None:
+                self.cache.write_window_states(launch.window_start.views, launch.window_states)
+                self._window_start = launch.window_start
+            mx.async_eval(self.cache.arrays, self.cache.state_arrays)
         self.cache.slots.complete_step(launch.step_id)
         return sampled
 
@@ -106,7 +142,7 @@ class ModelRunner:
             token = self._sampler(request)(logits[0, -1]).reshape(1).astype(mx.uint32)
             launch.prefill_tokens.append((request.request_id, token))
             outputs.append(token)
-        mx.async_eval(*outputs, *self.cache.arrays)
+        mx.async_eval(*outputs, *self.cache.arrays, *self.cache.state_arrays)
 
     def _window(self, requests: tuple[Request, ...], num_steps: int, launch: Launch) -> None:
         """Launch `num_steps` decode steps over `requests`, each fed the last one's tokens."""
@@ -115,23 +151,29 @@ class ModelRunner:
         plans = cache.plan_window([r.slot for r in requests], num_steps)
         indices = cache.window_indices(plans, starts)
         cache.copy_to_tail(plans)
+        views = tuple(r.slot for r in requests)
+        states = cache.read_window_states(views)
+        if states:
+            launch.window_start = WindowStart(views, tuple(int(s) for s in starts), states)
         tokens = mx.array([r.output_token_ids[-1] for r in requests], dtype=mx.uint32)
         for step in indices:
             if not cache.use_tail:
                 mx.synchronize()  # the step writes the main pools: in place only once the last step is done
-            logits, written = self._step(tokens, step, cache.arrays, cache.tail_arrays)
+            logits, written, states = self._step(tokens, step, cache.arrays, cache.tail_arrays, states)
             (cache.replace_tail_arrays if cache.use_tail else cache.replace_arrays)(written)
             tokens = self._sample(logits, requests)
             launch.window_tokens.append(tokens)
-            mx.async_eval(tokens, *written)
+            mx.async_eval(tokens, *written, *states)
         launch.window_ids = [r.request_id for r in requests]
-        launch.window_plans = plans
+        launch.window_plans, launch.window_states = plans, states
 
-    def _window_step(self, tokens: mx.array, indices, arrays: list[mx.array], tail_arrays: list[mx.array]):
-        """The traced decode step: logits [B, vocab] and the arrays it wrote (tail, or main pools)."""
-        layers, written = self.cache.window_layers(arrays, tail_arrays, indices)
+    def _window_step(self, tokens: mx.array, indices, arrays: list[mx.array], tail_arrays: list[mx.array],
+                     states: list[mx.array]):
+        """The traced decode step: logits [B, vocab], the arrays it wrote (tail, or main pools), the
+        rows' new recurrent state."""
+        layers, written, views = self.cache.window_layers(arrays, tail_arrays, indices, states)
         logits = self.model(tokens[:, None], cache=layers)[:, -1]
-        return logits, written.arrays
+        return logits, written.arrays, [a for view in views for a in view.cache]
 
     def _sample(self, logits: mx.array, requests: tuple[Request, ...]) -> mx.array:
         """uint32 [B]: greedy rows all at once, sampled rows each with its own PRNG stream."""

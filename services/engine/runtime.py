@@ -7,8 +7,8 @@ import mlx.core as mx
 from shared.errors import BadRequest
 from shared.settings import ModelSettings
 
-from .cache import CacheOptions, Window
-from .cache.schemes import layer_format
+from .cache import CacheOptions, Window, make_layer_caches
+from .cache.schemes import layer_parts
 from .model.loader import LoadedModel, load_model
 
 
@@ -17,8 +17,9 @@ def cache_options(settings: ModelSettings, loaded: LoadedModel) -> CacheOptions:
 
     Raises:
         BadRequest: `max_context` above the model's advertised window, a window with
-            `keep >= size`, an unknown scheme, or a scheme that cannot store the model's
-            head_dim (caught here, before any request, rather than at the first prefill).
+            `keep >= size`, an unknown scheme, or a scheme that cannot store a layer's key or
+            value width (caught here, before any request, rather than at the first prefill;
+            with `loaded.model` None, as in the gateway, only the scheme names are checked).
     """
     advertised = loaded.advertised_context
     max_context = settings.max_context or advertised
@@ -30,20 +31,20 @@ def cache_options(settings: ModelSettings, loaded: LoadedModel) -> CacheOptions:
             window = Window(settings.kv_window_size, settings.kv_window_keep)
         except ValueError as exc:
             raise BadRequest(f"--kv-window-size/--kv-window-keep: {exc}") from exc
-    config = loaded.config.get("text_config", loaded.config)
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    try:
-        for layer in range(config.get("num_hidden_layers", 1)):
-            if layer not in settings.kv_raw_layers:
-                layer_format(settings.kv_cache, layer=layer, dtype=mx.float16, head_dim=head_dim)
-    except ValueError as exc:
-        raise BadRequest(f"--kv-cache: {exc}") from exc
-    return CacheOptions(
+    options = CacheOptions(
         scheme=settings.kv_cache,
         max_context=max_context,
         window=window,
         raw_layers=frozenset(settings.kv_raw_layers),
     )
+    try:  # every layer's parts against its own widths (read off the model: MLA, split K/V, ...)
+        if loaded.model is None:  # the gateway: no weights, names only (each engine checks its model)
+            layer_parts(options.scheme, layer=0, dtype=mx.float16)
+        else:
+            make_layer_caches(loaded.model, options)
+    except ValueError as exc:
+        raise BadRequest(f"--kv-cache: {exc}") from exc
+    return options
 
 
 def open_model(settings: ModelSettings) -> tuple[LoadedModel, CacheOptions]:

@@ -9,6 +9,12 @@ chunks, so a long prompt never stalls running streams.
 Steps are pipelined (the runner builds step n while step n-1 computes), so `schedule`
 counts tokens that are launched but not read back (`num_pending_outputs`), and `update`
 ignores rows of requests that ended meanwhile.
+
+Prefix reuse is one mechanism for sessions and strangers: at admission a request's slot (a
+session's, holding its history, or a new one) is extended with the cached pages that continue
+its tokens (`PrefixCache.match`), and only the rest is prefilled; its prompt's pages are
+published as it computes them, and the pages of a finished turn when it ends. A request whose
+prefix another request is computing right now waits for it rather than computing it twice.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 from shared.errors import BadRequest, ButtermilkError, CapacityExhausted
 
 from .cache.pages import SlotTable, SlotView
+from .cache.prefix import PrefixHit
 from .generate import cap_max_tokens
 from .request import Request, RequestStatus
 
@@ -102,8 +109,12 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Validate and queue a request; on error nothing changes.
 
+        A continued turn with `session_tokens` first cuts the session's history to that length
+        (the client's view of it); the cut stays even if the request is then refused.
+
         Raises:
-            BadRequest: duplicate id, empty prompt, or its session has a turn in progress.
+            BadRequest: duplicate id, empty prompt, its session has a turn in progress, or it
+                holds fewer than `session_tokens` (the session is then closed).
             ContextOverflow: history plus prompt leave no room for one generated token.
             CapacityExhausted: the prompt does not fit the cache's free space now.
         """
@@ -114,12 +125,18 @@ class Scheduler:
         session = self.sessions.get(request.session_id) if request.session_id is not None else None
         if session is not None and session.request is not None:
             raise BadRequest(f"session {request.session_id!r} already has a request in progress")
+        if request.session_tokens is not None:
+            self._cut_history(request.session_id, session, request.session_tokens)
         cached = session.slot.num_tokens if session and session.slot else 0
         tail = session.tail_token_ids if session else []
         num_prompt = cached + len(tail) + len(request.prompt_token_ids)
         max_tokens = cap_max_tokens(num_prompt, request.params.max_tokens, self.max_context)
         held = len(session.slot.page_table) if session and session.slot else 0
-        if self.slots.pages_for(num_prompt) - held > self.slots.num_free_pages + self.slots.num_pending_pages:
+        tokens = (session.token_ids if session else []) + list(request.prompt_token_ids)
+        extent = self.max_context if request.session_id is not None else num_prompt + max_tokens
+        hit = self.slots.prefix.match(tokens, start_tokens=cached, max_positions=extent)
+        needed = self.slots.pages_for(num_prompt) - held - hit.num_pages + hit.num_revived
+        if needed > self.slots.num_free_pages + self.slots.num_pending_pages:
             raise CapacityExhausted(
                 f"the prompt needs {num_prompt} KV tokens; {self.slots.free_tokens} of "
                 f"{self.slots.capacity_tokens} are free"
@@ -133,10 +150,26 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def _admit(self, request: Request) -> bool:
-        """Give the head of `waiting` its slot and the pages of its whole prompt, if both are free."""
+    def _match(self, request: Request) -> PrefixHit:
+        """The cached pages that would continue a waiting request's slot (a query)."""
+        return self.slots.prefix.match(self._tokens(request), start_tokens=request.num_cached_tokens,
+                                       max_positions=self._extent(request))
+
+    def _tokens(self, request: Request) -> list[int]:
+        """Every token the request conditions on, from position 0: its session's history, its prompt."""
+        session = self.sessions.get(request.session_id) if request.session_id is not None else None
+        return (session.token_ids if session else []) + list(request.prompt_token_ids)
+
+    def _extent(self, request: Request) -> int:
+        """Most positions the request's slot can reach (a session's next turns go on in it)."""
+        return self.max_context if request.session_id is not None else request.num_prompt_tokens + request.max_tokens
+
+    def _admit(self, request: Request, hit: PrefixHit) -> bool:
+        """Give the head of `waiting` its slot, the cached pages of `hit` and the pages of the rest of
+        its prompt, if they are free; the rest of the prompt is then all it prefills."""
         held = len(request.slot.page_table) if request.slot else 0
-        if self.slots.pages_for(request.num_prompt_tokens) - held > self.slots.num_free_pages:
+        needed = self.slots.pages_for(request.num_prompt_tokens) - held - hit.num_pages + hit.num_revived
+        if needed > self.slots.num_free_pages:
             return False
         if request.slot is None:
             if not self.slots.can_acquire():
@@ -144,7 +177,11 @@ class Scheduler:
             request.slot = self.slots.acquire()
             if request.session_id is not None:
                 self.sessions[request.session_id].slot = request.slot
+        self.slots.prefix.map(request.slot, hit)
+        request.num_cached_tokens = request.num_computed_tokens = request.num_cached_tokens + hit.num_tokens
+        request.prefill_token_ids = request.prefill_token_ids[hit.num_tokens :]
         self.slots.reserve([(request.slot, len(request.prefill_token_ids))])
+        self.slots.prefix.publish(request.slot, self._tokens(request), max_positions=self._extent(request))
         request.status = RequestStatus.RUNNING
         return True
 
@@ -203,9 +240,11 @@ class Scheduler:
                     return chunks
                 chunks.append(self._chunk(request))
                 budget -= chunks[-1].num_tokens
-        while self.waiting and self._next_chunk(self.waiting[0]) <= budget and self._admit(self.waiting[0]):
-            request = self.waiting.popleft()
-            self.running.append(request)
+        while self.waiting:
+            request, hit = self.waiting[0], self._match(self.waiting[0])
+            if hit.is_blocked or self._next_chunk(request, hit.num_tokens) > budget or not self._admit(request, hit):
+                break
+            self.running.append(self.waiting.popleft())
             chunks.append(self._chunk(request))
             budget -= chunks[-1].num_tokens
         return chunks
@@ -215,8 +254,9 @@ class Scheduler:
         """Prompt tokens per chunk: what the budget always leaves after a full decode batch."""
         return max(1, self.step_token_budget - self.slots.max_slots)
 
-    def _next_chunk(self, request: Request) -> int:
-        return min(self.prefill_chunk_tokens, request.num_prompt_tokens - request.num_computed_tokens)
+    def _next_chunk(self, request: Request, num_mapped: int = 0) -> int:
+        """Tokens of the request's next prompt chunk (`num_mapped` more cached at admission)."""
+        return min(self.prefill_chunk_tokens, request.num_prompt_tokens - request.num_computed_tokens - num_mapped)
 
     def _chunk(self, request: Request) -> PrefillChunk:
         num = self._next_chunk(request)
@@ -264,8 +304,13 @@ class Scheduler:
         (self.running if request in self.running else self.waiting).remove(request)
         del self.requests[request.request_id]
         session = self.sessions.get(request.session_id) if request.session_id is not None else None
+        if request.slot is not None:
+            self.slots.prefix.end_claims(request.slot)
         if session is None:
             if request.slot is not None:
+                written = request.slot.num_tokens
+                tokens = (request.prompt_token_ids + list(request.output_token_ids))[:written]
+                self.slots.prefix.publish(request.slot, tokens, max_positions=written)
                 self.slots.release(request.slot)
             return True
         session.request = None
@@ -278,16 +323,38 @@ class Scheduler:
     def _keep_history(self, session: Session, request: Request) -> None:
         """The session keeps the request's prompt and the outputs read back; K/V past them goes.
 
-        Positions launched past them (a window's tokens after the ending) are forgotten; when
-        that cannot be exact for a windowed layer, the slot forgets everything and the next
-        turn computes the whole conversation again.
+        Positions launched past them (a window's tokens after the ending) are forgotten, back to
+        the most positions the slot can keep exactly (`SlotTable.truncation_point`): for a
+        wrapped window ring that is nothing, for recurrent state the window's start; the next
+        turn computes the rest again (`num_cached_tokens` says how much was kept).
         """
         session.token_ids = session.token_ids + request.prompt_token_ids + list(request.output_token_ids)
         valid = len(session.token_ids)
         if session.slot.num_tokens > valid:
-            self.slots.truncate(session.slot, valid if self.slots.can_truncate(session.slot, valid) else 0)
+            self.slots.truncate(session.slot, self.slots.truncation_point(session.slot, valid))
+        held = session.token_ids[: session.slot.num_tokens]
+        self.slots.prefix.publish(session.slot, held, max_positions=self.max_context)
 
     # -- sessions --------------------------------------------------------------------
+
+    def _cut_history(self, session_id: str, session: Session | None, num_tokens: int) -> None:
+        """Forget the session's history beyond `num_tokens`: its tokens, and K/V past them.
+
+        As in `_keep_history`, a K/V cut that cannot be exact for a windowed layer resets the
+        slot, and the turn computes the whole (cut) conversation again.
+
+        Raises:
+            BadRequest: no such session, or it holds fewer tokens (the session is closed then).
+        """
+        held = len(session.token_ids) if session is not None else 0
+        if session is None or num_tokens > held:
+            if session is not None:
+                self._drop_session(session_id)
+            raise BadRequest(f"session {session_id!r} holds {held} tokens here, not {num_tokens}; start it again")
+        session.token_ids = session.token_ids[:num_tokens]
+        if session.slot is not None and session.slot.num_tokens > num_tokens:
+            exact = self.slots.can_truncate(session.slot, num_tokens)
+            self.slots.truncate(session.slot, num_tokens if exact else 0)
 
     def close_session(self, session_id: str) -> tuple[int, Request | None]:
         """Free a session's slot, or mark it to be freed when its turn in progress ends.
@@ -308,5 +375,7 @@ class Scheduler:
 
     def _drop_session(self, session_id: str) -> None:
         session = self.sessions.pop(session_id)
-        if session.slot is not None:
+        if session.slot is not None:  # its conversation stays cached for a client that sends it again
+            held = session.token_ids[: session.slot.num_tokens]
+            self.slots.prefix.publish(session.slot, held, max_positions=session.slot.num_tokens)
             self.slots.release(session.slot)

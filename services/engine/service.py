@@ -6,6 +6,11 @@ and heartbeats on its own schedule (so a long step never looks like death), and 
 main thread's controller-bound frames. The main thread owns the engine-out PUSH socket and the
 `EngineCore`: drain the inbox → `step()` → publish tokens and finishes.
 
+Every accepted request ends: one still waiting for a slot or pages after `wait_timeout_s`
+ends with `queue_timeout` (refused: a session is unchanged). `stop()` drains: new requests
+are refused with `unavailable`, running ones get `drain_timeout_s` to finish, the rest end
+with `unavailable`, and the engine tells the controller its epoch is gone before it exits.
+
 Sockets:
     engine-cmd  DEALER → gateway ROUTER: HELLO, heartbeats; receives generate and abort
     controller  DEALER → controller ROUTER: HELLO, heartbeats, reconcile; receives abort,
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from shared.errors import BadRequest, ButtermilkError, EngineFailed
+from shared.errors import BadRequest, ButtermilkError, EngineFailed, QueueTimeout, Unavailable
 from shared.logging import get_logger
 from shared.protocol import (
     ENGINE_TYPES,
@@ -36,6 +41,7 @@ from shared.protocol import (
     Error,
     Heartbeat,
     Hello,
+    PrefixCacheUsage,
     ProtocolError,
     Reconcile,
     TokenChunk,
@@ -45,8 +51,9 @@ from shared.protocol import (
 )
 
 from .core import EngineCore, RequestOutput
-from .request import Request
+from .request import Request, RequestStatus
 from .sampling import SamplingParams
+from .status import StatusMeter
 
 HEARTBEAT_S = 0.5  # heartbeat period; receivers declare death after several missed beats
 HELLO_EVERY_S = 5.0  # HELLO is repeated so a restarted gateway or controller learns us again
@@ -77,10 +84,13 @@ class Snapshot:
     """What heartbeats report; replaced whole by the main thread, read by the socket thread."""
 
     num_running: int = 0
+    num_waiting: int = 0
     tokens_used: int = 0
+    capacity_tokens: int = 0
     bytes_used: int = 0
     used_slots: int = 0
     num_sessions: int = 0
+    prefix_cache: PrefixCacheUsage | None = None
 
 
 class EngineIO(threading.Thread):
@@ -172,8 +182,9 @@ class EngineIO(threading.Thread):
         s = self.snapshot
         return Heartbeat(
             engine_id=self.hello.engine_id, epoch=self.hello.epoch, num_running=s.num_running,
-            tokens_used=s.tokens_used, bytes_used=s.bytes_used, used_slots=s.used_slots,
-            num_sessions=s.num_sessions,
+            num_waiting=s.num_waiting, tokens_used=s.tokens_used, bytes_used=s.bytes_used,
+            used_slots=s.used_slots, num_sessions=s.num_sessions, capacity_tokens=s.capacity_tokens,
+            prefix_cache=s.prefix_cache,
         )  # fmt: skip
 
 
@@ -183,8 +194,11 @@ class Running:
 
     resv_id: str
     session_id: str | None
+    accepted_at: float  # monotonic seconds
     num_generated: int = 0  # tokens sent so far (the next chunk's index)
     tokens_reported: int = 0  # KV growth last sent in a reconcile
+    fail_with: ButtermilkError | None = None  # aborted by the service: end with this error
+    never_ran: bool = False  # aborted while waiting: report it refused
 
 
 class EngineService:
@@ -194,15 +208,24 @@ class EngineService:
         core (EngineCore): the batching engine (owned by this service from now on).
         hello (Hello): identity, epoch and geometry to announce.
         addresses (EngineAddresses): where the gateway and controller listen.
+        wait_timeout_s (float): longest wait of an accepted request for a slot, seconds.
+        drain_timeout_s (float): on `stop()`, how long running requests may finish, seconds.
+        status_interval_s (float): seconds between status log lines (0: none). Default: 10.
     """
 
-    def __init__(self, core: EngineCore, hello: Hello, addresses: EngineAddresses):
+    def __init__(
+        self, core: EngineCore, hello: Hello, addresses: EngineAddresses, *,
+        wait_timeout_s: float = 60.0, drain_timeout_s: float = 5.0, status_interval_s: float = 10.0,
+    ):  # fmt: skip
         self.core, self.hello, self.addresses = core, hello, addresses
+        self.wait_timeout_s, self.drain_timeout_s = wait_timeout_s, drain_timeout_s
+        self.meter = StatusMeter(status_interval_s, time.monotonic())
         self.inbox: queue.Queue = queue.Queue()
         self.running: dict[str, Running] = {}
         self.log = get_logger("engine", engine_id=hello.engine_id, epoch=hello.epoch)
         self._next_snapshot = 0.0
         self._needs_fence = False  # a session was closed: step once even when idle
+        self._draining: Stop | None = None  # set by `stop()`: finish what runs, then exit
 
     def run(self) -> int:
         """Serve until a `Stop` arrives; returns the process exit status."""
@@ -217,6 +240,9 @@ class EngineService:
         try:
             stop = self._loop(out, relay, io)
             self.log.info("engine_stopping", status=stop.status, reason=stop.reason)
+            if stop.status == 0:  # a drained stop: the controller frees this epoch at once
+                relay.send(encode(EngineDead(engine_id=self.hello.engine_id, epoch=self.hello.epoch)))
+                time.sleep(0.2)  # let the socket thread relay it before everything closes
             return stop.status
         except Exception:
             self.log.exception("engine_fatal")
@@ -231,21 +257,32 @@ class EngineService:
             ctx.term()
 
     def stop(self, reason: str = "signal") -> None:
-        """Ask the main loop to finish its step and exit 0 (safe from a signal handler)."""
+        """Ask the main loop to drain and exit 0 (safe from a signal handler)."""
         self.inbox.put(Stop(0, reason))
 
     def _loop(self, out: zmq.Socket, relay: zmq.Socket, io: EngineIO) -> Stop:
+        drain_until = 0.0
         while True:
             stop = self._drain(out, block=not self.core.has_unfinished())
-            if stop is not None:
+            if stop is not None and (stop.status != 0 or not self.running):
                 return stop
+            if stop is not None and self._draining is None:
+                self._draining, drain_until = stop, time.monotonic() + self.drain_timeout_s
+                self.log.info("draining", running=len(self.running), grace_s=self.drain_timeout_s)
+            if self._draining is not None and (not self.running or time.monotonic() >= drain_until):
+                self._fail_all(Unavailable("the engine shut down before the request finished"), out, relay)
+                return self._draining
+            self._expire_waiting(time.monotonic())
             if self.core.has_unfinished() or self._needs_fence:
                 # An idle step passes the cache's fence, so a closed session's pages return now.
                 self._needs_fence = False
-                self._publish(self.core.step(), out, relay)
+                outputs = self.core.step()
+                self.meter.record(outputs)
+                self._publish(outputs, out, relay)
             if time.monotonic() >= self._next_snapshot:
                 io.snapshot = self._snapshot()
                 self._next_snapshot = time.monotonic() + SNAPSHOT_EVERY_S
+                self._log_status(io.snapshot)
 
     def _drain(self, out: zmq.Socket, *, block: bool) -> Stop | None:
         """Apply every queued message (waiting briefly for one when idle)."""
@@ -273,19 +310,48 @@ class EngineService:
                     self.core.close_session(session_id)
                 self._needs_fence = True
 
+    def _expire_waiting(self, now: float) -> None:
+        """End requests that waited past `wait_timeout_s` without getting a slot."""
+        late = [rid for rid, run in self.running.items() if run.fail_with is None
+                and now - run.accepted_at >= self.wait_timeout_s and self._is_waiting(rid)]  # fmt: skip
+        for request_id in late:
+            run = self.running[request_id]
+            run.fail_with = QueueTimeout(f"waited {self.wait_timeout_s:.0f} s on the engine without a slot")
+            run.never_ran = True
+        self.core.abort(late)
+
+    def _is_waiting(self, request_id: str) -> bool:
+        request = self.core.scheduler.requests.get(request_id)
+        return request is not None and request.status is RequestStatus.WAITING
+
+    def _fail_all(self, error: ButtermilkError, out: zmq.Socket, relay: zmq.Socket) -> None:
+        """Abort every request and publish each one's end as `error` (a few steps at most)."""
+        for request_id, run in self.running.items():
+            run.fail_with = run.fail_with or error
+            run.never_ran = run.never_ran or self._is_waiting(request_id)
+        self.core.abort(list(self.running))
+        for _ in range(8):  # aborts apply at the next step; pipelining adds at most one
+            if not self.running:
+                return
+            self._publish(self.core.step(), out, relay)
+        self.log.warning("requests_not_ended", ids=list(self.running))
+
     def _add(self, msg: EngineGenerate, out: zmq.Socket) -> None:
         try:
+            if self._draining is not None:
+                raise Unavailable("the engine is shutting down; retry once it is back")
             if msg.epoch != self.hello.epoch:
                 raise EngineFailed(f"request for epoch {msg.epoch}; this engine is epoch {self.hello.epoch}")
             if msg.id in self.running:
                 raise BadRequest(f"request id {msg.id} is already running")
-            self.core.add_request(Request(msg.id, list(msg.token_ids), _sampling(msg), session_id=msg.session_id))
+            self.core.add_request(Request(msg.id, list(msg.token_ids), _sampling(msg), session_id=msg.session_id,
+                                          session_tokens=msg.session_tokens))  # fmt: skip
         except ButtermilkError as exc:
             self.log.info("request_refused", request_id=msg.id, code=exc.code.value, error=exc.message)
             usage = Usage(prompt_tokens=len(msg.token_ids), completion_tokens=0)
             out.send(encode(self._finish_message(msg.id, "error", usage, msg.session_id, exc, refused=True)))
             return
-        self.running[msg.id] = Running(msg.resv_id, msg.session_id)
+        self.running[msg.id] = Running(msg.resv_id, msg.session_id, accepted_at=time.monotonic())
 
     def _publish(self, outputs: list[RequestOutput], out: zmq.Socket, relay: zmq.Socket) -> None:
         """Send one step's tokens as one batch, then each finish, then KV growth reports."""
@@ -305,7 +371,11 @@ class EngineService:
                 del self.running[o.request_id]
                 usage = Usage(prompt_tokens=o.num_prompt_tokens, completion_tokens=run.num_generated,
                               cached_tokens=o.num_cached_tokens)  # fmt: skip
-                out.send(encode(self._finish_message(o.request_id, o.finish_reason, usage, run.session_id, o.error)))
+                reason, error = o.finish_reason, o.error
+                if run.fail_with is not None and reason == "cancelled":
+                    reason, error = "error", run.fail_with
+                out.send(encode(self._finish_message(o.request_id, reason, usage, run.session_id, error,
+                                                     refused=run.never_ran)))  # fmt: skip
             elif (grown := max(0, o.tokens_held - o.num_cached_tokens)) >= run.tokens_reported + RECONCILE_EVERY_TOKENS:
                 run.tokens_reported = grown
                 relay.send(encode(Reconcile(resv_id=run.resv_id, tokens_observed=grown)))
@@ -322,18 +392,36 @@ class EngineService:
         return EngineFinished(
             engine_id=self.hello.engine_id, epoch=self.hello.epoch, id=request_id, reason=reason,
             usage=usage, tokens_held=held,
-            bytes_held=held * stats.bytes_per_token if held is not None else 0,
+            bytes_held=held * stats.bytes_per_token + (held > 0) * stats.state_bytes_per_slot if held is not None else 0,
             code=error.code if failed else None,
             message=error.message[:MAX_ERROR_CHARS] if failed else None, refused=refused,
         )  # fmt: skip
 
     def _snapshot(self) -> Snapshot:
         stats = self.core.stats()
-        used = stats.capacity_tokens - stats.free_tokens
+        used = stats.capacity_tokens - stats.free_tokens  # unreferenced cached pages count as free
+        page = self.core.cache.page_size
+        prefix = PrefixCacheUsage(
+            cached_tokens=stats.cached_pages * page, evictable_tokens=stats.evictable_pages * page,
+            query_tokens=stats.prefix_query_tokens, hit_tokens=stats.prefix_hit_tokens,
+            evicted_tokens=stats.evicted_pages * page,
+        ) if self.core.has_prefix_cache else None  # fmt: skip
         return Snapshot(
-            num_running=len(self.running), tokens_used=used, bytes_used=used * stats.bytes_per_token,
-            used_slots=stats.used_slots, num_sessions=len(stats.sessions),
+            num_running=len(self.running), num_waiting=len(self.core.scheduler.waiting), tokens_used=used,
+            capacity_tokens=stats.capacity_tokens,
+            bytes_used=used * stats.bytes_per_token + stats.used_slots * stats.state_bytes_per_slot,
+            used_slots=stats.used_slots, num_sessions=len(stats.sessions), prefix_cache=prefix,
         )  # fmt: skip
+
+    def _log_status(self, s: Snapshot) -> None:
+        now = time.monotonic()
+        if not self.meter.is_due(now):
+            return
+        line = self.meter.line(now, num_running=s.num_running - s.num_waiting, num_waiting=s.num_waiting,
+                               kv_usage=s.tokens_used / s.capacity_tokens)  # fmt: skip
+        if line is not None:
+            self.log.info("engine_status", message=line.message, kv_usage=round(line.kv_usage, 4),
+                          num_running=line.num_running, num_waiting=line.num_waiting)  # fmt: skip
 
 
 def _sampling(msg: EngineGenerate) -> SamplingParams:

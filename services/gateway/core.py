@@ -1,29 +1,27 @@
 """The gateway's routing logic with no sockets: decoded messages in, addressed messages out.
 
 `GatewayCore` owns every request's `Stream`, the `GenerationSessionPool`, the engine table,
-the session table and the relay of control requests to the controller (`control.py`). Each `on_*` method
-takes one decoded message (and `now`, monotonic seconds) and returns the messages to send,
-in order. The service (`service.py`) only moves frames.
+the session table, the per-client table and the relay of control requests to the controller
+(`control.py`). Each `on_*` method takes one decoded message (and `now`, monotonic seconds)
+and returns the messages to send, in order. The service (`service.py`) only moves frames,
+and runs the tokenizer off its event loop for `ToTokenizer` sends.
 
-A generate's path: client `generate` → pool (FIFO, bounded) → controller `reserve` →
-`reserved` → engine `engine_generate` → `engine_tokens`… → `engine_finished` → client `done`
-and controller `release`. Every path ends the stream through `_end`, which sends the one
-terminal message, frees the pool place and promotes the queue.
+A generate's path: client `generate` → tokenize (`ToTokenizer` → `on_prepared`) → pool
+(FIFO, bounded, per-client caps) → controller `reserve` → `reserved` → engine
+`engine_generate` → `engine_tokens`… → `engine_finished` → client `done` and controller
+`release`. Every phase has a bound: tokenizing is finite, the queue has `queue_timeout_s`,
+the reservation `control_timeout_s`, the engine its liveness (and its own wait timeout).
+Every path ends the stream through `_end`, which sends the one terminal message, frees the
+pool place and promotes the queue. A connection that goes away (`on_client_gone`) has its
+requests cancelled and its own sessions closed.
 """
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field
 
 from shared.detok import IncrementalDetokenizer
-from shared.errors import (
-    BadRequest,
-    ButtermilkError,
-    EngineFailed,
-    ErrorCode,
-    QueueTimeout,
-)
+from shared.errors import BadRequest, ButtermilkError, EngineFailed, ErrorCode, QueueTimeout, Unavailable
 from shared.protocol import (
     Cancel,
     Done,
@@ -34,11 +32,13 @@ from shared.protocol import (
     EngineTokens,
     Error,
     FinishReason,
+    GatewayHeartbeat,
     Generate,
     Health,
     HealthOk,
     Heartbeat,
     Hello,
+    Keepalive,
     Message,
     PoolUsage,
     Release,
@@ -47,28 +47,27 @@ from shared.protocol import (
     Revoked,
     SamplingParams,
     SessionClose,
-    Token,
+    SessionClosed,
     Usage,
     error_reply,
 )
 
-from .control import ControlRelay, Send, ToClient, ToController, ToEngine
+from .clients import ClientLimits, ClientTable
+from .control import ControlRelay, Send, ToClient, ToController, ToEngine, ToTokenizer
+from .counters import Counters
+from .desk import ControlDesk
 from .engines import EngineTable
-from .prompts import Prompter, Turn
-from .session_table import SessionTable
+from .outcome import done_message, emit, session_outcome
+from .observer import NullObserver, StreamObserver
+from .prompts import Prompt, Prompter, Turn
+from .session_table import SessionTable, session_owner
 from .sessions import Admitted, GenerationSessionPool
 from .streams import Phase, Stream, TextStream
 
-
-@dataclass(slots=True)
-class Counters:
-    """Facts for logs and tests; never reset."""
-
-    orphan_engine_messages: int = 0  # tokens or finishes for requests no longer here
-    orphan_controller_replies: int = 0
-    controller_timeouts: int = 0
-    engines_lost: int = 0
-    streams_ended: dict[str, int] = field(default_factory=dict)  # by finish reason or code
+HEARTBEAT_S = 0.5  # gateway → controller heartbeat period
+KEEPALIVE_S = 0.5  # a connection with requests in flight hears something at least this often
+SESSION_PROBE_S = 2.0  # a connection holding sessions between turns gets a keepalive this often
+_WAITING = (Phase.PREPARING, Phase.QUEUED, Phase.RESERVING)  # not on an engine yet
 
 
 class GatewayCore:
@@ -79,7 +78,10 @@ class GatewayCore:
         pool (GenerationSessionPool): how many requests run at once, the FIFO queue.
         engines (EngineTable): live engines and their heartbeat timeout.
         control_timeout_s (float): longest wait for the controller's answer to a forwarded
-            lease, session or stats request, seconds.
+            control request or a reservation, seconds.
+        limits (ClientLimits): per-connection caps (sessions, leases, control requests, requests
+            in flight); the pool holds the caps on running and queued requests.
+        observer (StreamObserver | None): told every request and engine fact (metrics).
     """
 
     def __init__(
@@ -89,17 +91,26 @@ class GatewayCore:
         engines: EngineTable,
         *,
         control_timeout_s: float = 5.0,
+        limits: ClientLimits | None = None,
+        observer: StreamObserver | None = None,
     ):
         self.prompter = prompter
         self.pool = pool
         self.engines = engines
-        self.sessions = SessionTable()
-        self.counters = Counters()
+        self.gateway_id = f"gw-{secrets.token_hex(8)}"  # this instance; owns its controller state
         self._prefix = secrets.token_hex(3)  # request ids stay unique across gateway restarts
+        self.sessions = SessionTable(self._prefix)
+        self.clients = ClientTable(limits or ClientLimits())
+        self.counters = Counters()
+        self.observer = observer or NullObserver()
+        self.control_timeout_s = control_timeout_s
+        self.draining = False
         self._next_id = 0
+        self._next_beat = 0.0
+        self._probed: dict[bytes, float] = {}  # session-holding connection -> last probe, monotonic s
         self._streams: dict[str, Stream] = {}
         self._by_client: dict[tuple[bytes, str], str] = {}
-        self._control = ControlRelay(self._prefix, control_timeout_s)
+        self.desk = ControlDesk(ControlRelay(self._prefix, control_timeout_s), self.clients, self.counters)
         self._out: list[Send] = []
 
     # ---- entry points -------------------------------------------------------------------
@@ -110,17 +121,45 @@ class GatewayCore:
             case Generate():
                 self._generate(identity, msg, now)
             case Cancel():
-                self._cancel(identity, msg.id, now)
+                stream = self._streams.get(self._by_client.get((identity, msg.id), ""))
+                if stream is not None:
+                    self._cancel(stream, now)
             case Health():
                 status = "ok" if self.engines.num_live else "degraded"
                 self._out.append(ToClient(identity, HealthOk(
                     id=msg.id, status=status, engines_live=self.engines.num_live)))  # fmt: skip
             case SessionClose():
-                self._close_session_locally(msg.session_id, now)
-                self._out.append(self._control.forward(identity, msg, now))
+                self._session_close(identity, msg, now)
             case _:
-                self._out.append(self._control.forward(identity, msg, now))
-        return self._flush()
+                self._forward(identity, msg, now)
+        return self._flush(now)
+
+    def on_prepared(self, request_id: str, msg: Generate, result: Prompt | ButtermilkError, now: float) -> list[Send]:
+        """A `ToTokenizer` job finished: queue the request, or end it with the error."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.phase is not Phase.PREPARING:
+            return self._flush(now)  # ended meanwhile (client gone, session closed, shutdown)
+        if isinstance(result, ButtermilkError):
+            self._end(stream, error_reply(result, None), now)
+        elif stream.cancel_requested:
+            usage = Usage(prompt_tokens=result.context_tokens, completion_tokens=0)
+            self._end(stream, Done(id=stream.client_id, finish_reason=FinishReason.CANCELLED, usage=usage), now)
+        else:
+            self._queue(stream, msg, result, now)
+        return self._flush(now)
+
+    def on_client_gone(self, identity: bytes, now: float) -> list[Send]:
+        """The connection is closed: cancel its requests and close the sessions it owns."""
+        for request_id in self.clients.requests_of(identity):
+            stream = self._streams.get(request_id)
+            if stream is not None and not stream.client_gone:
+                stream.client_gone = True
+                self._cancel(stream, now)
+        for record in self.sessions.of_connection(identity):
+            self._drop_session(record.session_id, Error(code=ErrorCode.CANCELLED, message="the client went away"), now)
+            self._out.append(ToController(SessionClose(session_id=record.session_id)))
+        self.counters.clients_gone += 1
+        return self._flush(now)
 
     def on_controller(self, msg: Message, now: float) -> list[Send]:
         """Handle a reply or notice from the controller."""
@@ -132,42 +171,73 @@ class GatewayCore:
             case EngineDead():
                 self._engine_lost(msg.engine_id, msg.epoch, now, tell_controller=False)
             case Error() if msg.id in self._streams:
-                self._end_with_error(self._streams[msg.id], msg, now)
+                if self._streams[msg.id].phase is Phase.RESERVING:  # the controller refused it
+                    self._end(self._streams[msg.id], msg, now)
             case _:
                 self._control_reply(msg)
-        return self._flush()
+        return self._flush(now)
 
     def on_engine_cmd(self, identity: bytes, msg: Hello | Heartbeat, now: float) -> list[Send]:
         """Handle an engine's HELLO or heartbeat."""
+        self.observer.engine_message(msg, now)
         if isinstance(msg, Hello):
             replaced = self.engines.register(msg, identity, now)
             if replaced is not None:
                 self._engine_lost(replaced.engine_id, replaced.epoch, now, tell_controller=False)
         else:
             self.engines.heartbeat(msg.engine_id, msg.epoch, now)
-        return self._flush()
+        return self._flush(now)
 
     def on_engine_out(self, msg: EngineTokens | EngineFinished, now: float) -> list[Send]:
         """Handle an engine's token batch or a request's end."""
         if isinstance(msg, EngineTokens):
             for chunk in msg.chunks:
-                self._tokens(msg.engine_id, msg.epoch, chunk.id, chunk.token_ids)
+                self._tokens(msg.engine_id, msg.epoch, chunk.id, chunk.token_ids, now)
         else:
             self._finished(msg, now)
-        return self._flush()
+        return self._flush(now)
 
-    def tick(self, now: float) -> list[Send]:
-        """Expire queued requests, silent engines and unanswered control requests."""
+    def tick(self, now: float, *, check_engines: bool = True) -> list[Send]:
+        """Expire what waited too long; heartbeat the controller; keep quiet connections alive.
+
+        Args:
+            check_engines: False skips engine liveness this time (the service's loop was
+                stalled, so heartbeats that arrived meanwhile are not read yet).
+        """
         for request_id in self.pool.expire(now):
-            waited = self.pool.queue_timeout_s
-            exc = QueueTimeout(f"waited {waited:.1f} s in the queue without starting")
+            exc = QueueTimeout(f"waited {self.pool.queue_timeout_s:.1f} s in the queue without starting")
             self._end(self._streams[request_id], error_reply(exc, None), now)
-        for lost in self.engines.expire(now):
-            self._engine_lost(lost.engine_id, lost.epoch, now, tell_controller=True)
-        late = self._control.expire(now)
-        self.counters.controller_timeouts += len(late)
-        self._out.extend(late)
-        return self._flush()
+        for stream in [s for s in self._streams.values() if s.phase is Phase.RESERVING and s.deadline <= now]:
+            self._reservation_timed_out(stream, now)
+        if check_engines:
+            for lost in self.engines.expire(now):
+                self._engine_lost(lost.engine_id, lost.epoch, now, tell_controller=True)
+        self._out += self.desk.expire(now)
+        if now >= self._next_beat:
+            self._next_beat = now + HEARTBEAT_S
+            self._out.append(ToController(GatewayHeartbeat(gateway_id=self.gateway_id)))
+        for identity in self.clients.quiet(now, KEEPALIVE_S):
+            self._out.append(ToClient(identity, Keepalive()))
+        self._probe_session_holders(now)
+        return self._flush(now)
+
+    def begin_drain(self, now: float) -> list[Send]:
+        """Shutting down: refuse new work, end what has not started; running requests go on."""
+        self.draining = True
+        exc = Unavailable("the server is shutting down; retry once it is back")
+        for stream in [s for s in self._streams.values() if s.phase in (Phase.PREPARING, Phase.QUEUED)]:
+            self._end(stream, error_reply(exc, None), now)
+        return self._flush(now)
+
+    def end_all(self, now: float) -> list[Send]:
+        """The drain grace is over: abort and end every request left, releasing its reservation."""
+        exc = Unavailable("the server shut down before the request finished; retry once it is back")
+        for stream in list(self._streams.values()):
+            if stream.phase is Phase.RUNNING:
+                self._abort_on_engine(stream)
+                self._out.append(ToController(Release(resv_id=stream.resv_id)))
+            self._end(stream, error_reply(exc, None), now)
+        return self._flush(now)
 
     def client_error(self, identity: bytes, exc: ButtermilkError, request_id: str | None) -> list[Send]:
         """The reply to a client frame that could not be decoded."""
@@ -180,42 +250,59 @@ class GatewayCore:
     # ---- generate -----------------------------------------------------------------------
 
     def _generate(self, identity: bytes, msg: Generate, now: float) -> None:
+        self.observer.received(now)
+        owner = session_owner(identity, msg.lease_id)
         try:
-            stream = self._new_stream(identity, msg)
-            admitted = self.pool.submit(stream.request_id, now)
+            if self.draining:
+                raise Unavailable("the server is shutting down; retry once it is back")
+            if (identity, msg.id) in self._by_client:
+                raise BadRequest(f"request id {msg.id!r} is already in flight on this connection")
+            self.clients.check_request(identity)
+            turn = None
+            if msg.session_id is not None:
+                turn = self.sessions.check_turn(owner, msg.session_id, msg.new_session)
+                if msg.new_session:
+                    self.clients.check_sessions(self.sessions.num_started_by(identity))
         except ButtermilkError as exc:
+            self.observer.refused(exc.code.value, now)
             self._out.append(ToClient(identity, error_reply(exc, msg.id)))
             return
+        record = None
+        if msg.session_id is not None:
+            record = self.sessions.begin_turn(owner, msg.session_id, lease_id=msg.lease_id, creator=identity,
+                                              new_session=msg.new_session)  # fmt: skip
+        self._next_id += 1
+        stream = Stream(
+            request_id=f"{self._prefix}-{self._next_id}", client=identity, client_id=msg.id, stream=msg.stream,
+            lease_id=msg.lease_id, session_id=record.session_id if record else None,
+            new_session=msg.new_session, session_tokens=turn.context_tokens if turn else None, arrived_at=now,
+        )  # fmt: skip
         self._streams[stream.request_id] = stream
         self._by_client[(identity, msg.id)] = stream.request_id
-        if msg.session_id is not None:
-            self.sessions.begin_turn(msg.session_id, msg.lease_id, msg.new_session)
-        if isinstance(admitted, Admitted):
-            self._reserve(stream)
+        self.clients.add_request(identity, stream.request_id, now)
+        self._out.append(ToTokenizer(stream.request_id, msg, turn))
 
-    def _new_stream(self, identity: bytes, msg: Generate) -> Stream:
-        if (identity, msg.id) in self._by_client:
-            raise BadRequest(f"request id {msg.id!r} is already in flight on this connection")
-        turn = None
-        if msg.session_id is not None:
-            turn = self.sessions.check_turn(msg.session_id, msg.lease_id, msg.new_session)
-        prompt = self.prompter.prepare(msg, turn)
-        self._next_id += 1
-        sampling = SamplingParams(
-            max_tokens=prompt.max_tokens, temperature=msg.temperature, top_p=msg.top_p,
-            top_k=msg.top_k, seed=msg.seed,
-        )  # fmt: skip
+    def _queue(self, stream: Stream, msg: Generate, prompt: Prompt, now: float) -> None:
+        """Tokenized: set the stream's input and ask the pool for a place."""
+        top_k = msg.top_k if msg.top_k is not None and msg.top_k < self.prompter.vocab_size else None
+        sampling = SamplingParams(max_tokens=prompt.max_tokens, temperature=msg.temperature, top_p=msg.top_p,
+                                  top_k=top_k, seed=msg.seed)  # fmt: skip
         detok = IncrementalDetokenizer(self.prompter.tokenizer, prompt.token_ids)
         text = TextStream(detok, tuple(msg.stop), self.prompter.eos_token_ids)
-        return Stream(
-            request_id=f"{self._prefix}-{self._next_id}", client=identity, client_id=msg.id,
-            token_ids=prompt.token_ids, context_tokens=prompt.context_tokens, sampling=sampling,
-            text=text, stream=msg.stream, lease_id=msg.lease_id, session_id=msg.session_id,
-            new_session=msg.new_session,
-        )  # fmt: skip
+        stream.prepared(prompt.token_ids, prompt.context_tokens, sampling, text)
+        try:
+            if self.draining:
+                raise Unavailable("the server is shutting down; retry once it is back")
+            admitted = self.pool.submit(stream.request_id, now, stream.client)
+        except ButtermilkError as exc:
+            self._end(stream, error_reply(exc, None), now)
+            return
+        if isinstance(admitted, Admitted):
+            self._reserve(stream, now)
 
-    def _reserve(self, stream: Stream) -> None:
-        stream.phase = Phase.RESERVING
+    def _reserve(self, stream: Stream, now: float) -> None:
+        self.observer.started(stream, now)
+        stream.phase, stream.deadline = Phase.RESERVING, now + self.control_timeout_s
         new_session = stream.new_session if stream.session_id is not None else None
         self._out.append(ToController(Reserve(
             request_id=stream.request_id, tokens=stream.num_reserved_tokens,
@@ -239,24 +326,37 @@ class GatewayCore:
         if stream.session_id is not None:
             self.sessions.place(stream.session_id, msg.engine_id)
         self._out.append(ToEngine(engine.identity, EngineGenerate(
-            id=stream.request_id, resv_id=msg.resv_id, epoch=msg.epoch,
-            token_ids=stream.token_ids, sampling=stream.sampling, session_id=stream.session_id,
+            id=stream.request_id, resv_id=msg.resv_id, epoch=msg.epoch, token_ids=stream.token_ids,
+            sampling=stream.sampling, session_id=stream.session_id, session_tokens=stream.session_tokens,
         )))  # fmt: skip
         if stream.cancel_requested:  # cancelled while reserving: the engine ends it at once
             self._out.append(ToEngine(engine.identity, EngineAbort(ids=[stream.request_id])))
 
+    def _reservation_timed_out(self, stream: Stream, now: float) -> None:
+        """The controller did not answer: end the request; a session turn ends its session
+        too (whether the controller started the turn is unknown), and the controller is told."""
+        if stream.session_id is not None:
+            session_id = stream.session_id
+            exc = Unavailable("the controller did not answer the reservation in time; the session ended")
+            self._drop_session(session_id, error_reply(exc, None), now)
+            self._out.append(ToController(SessionClose(session_id=session_id)))
+        else:
+            exc = Unavailable("the controller did not answer the reservation in time")
+            self._end(stream, error_reply(exc, None), now)
+
     # ---- engine output ------------------------------------------------------------------
 
-    def _tokens(self, engine_id: str, epoch: int, request_id: str, token_ids: list[int]) -> None:
+    def _tokens(self, engine_id: str, epoch: int, request_id: str, token_ids: list[int], now: float) -> None:
         stream = self._streams.get(request_id)
         if stream is None or not stream.on_engine(engine_id, epoch):
             self.counters.orphan_engine_messages += 1
             return
         if stream.text.closed:
             return
+        self.observer.tokens(stream, len(token_ids), now)
         index = stream.text.num_sent
         delta = stream.text.feed(token_ids)
-        self._emit(stream, delta.text, delta.token_ids, index)
+        self._out.extend(emit(stream, delta.text, delta.token_ids, index))
         if delta.stopped:
             self._abort_on_engine(stream)
 
@@ -266,69 +366,28 @@ class GatewayCore:
             self.counters.orphan_engine_messages += 1
             return
         failed = msg.reason == FinishReason.ERROR
-        keep, turn = self._session_outcome(stream, msg, failed)
+        record = self.sessions.by_id(stream.session_id) if stream.session_id else None
+        keep, turn = session_outcome(stream, msg, record, failed)
         self._out.append(ToController(Release(resv_id=stream.resv_id, keep_session_tokens=keep)))
         if failed:
             code = msg.code or ErrorCode.INTERNAL
             terminal = Error(code=code, message=msg.message or "the engine failed the request")
         else:
-            self._emit(stream, stream.text.finish(), [], stream.text.num_sent, final=True)
-            terminal = self._done(stream, msg)
+            self._out.extend(emit(stream, stream.text.finish(), [], stream.text.num_sent, final=True))
+            terminal = done_message(stream, msg)
         self._end(stream, terminal, now, turn=turn)
         if stream.session_id is not None and keep is None:
             self.sessions.drop(stream.session_id, msg.code or ErrorCode.CANCELLED)
 
-    def _session_outcome(
-        self, stream: Stream, msg: EngineFinished, failed: bool
-    ) -> tuple[int | None, Turn | None]:
-        """What a session keeps after this turn: (KV tokens for the ledger, history for the gateway).
-
-        `(None, None)` ends the session. A turn the engine refused before running leaves the
-        session as it was (a refused first turn starts none); a turn that failed while running
-        ends it, since the history the engine kept is then unknown here.
-        """
-        if stream.session_id is None or msg.tokens_held is None:
-            return None, None
-        if failed:
-            record = self.sessions.get(stream.session_id)
-            unchanged = msg.refused and record is not None and record.turn is not None
-            return (msg.tokens_held, None) if unchanged else (None, None)
-        context = msg.usage.prompt_tokens + msg.usage.completion_tokens
-        return msg.tokens_held, Turn(context_tokens=context, ended_by_eos=stream.text.ended_by_eos)
-
-    def _done(self, stream: Stream, msg: EngineFinished) -> Done:
-        reason, completion = msg.reason, msg.usage.completion_tokens
-        if stream.text.stopped:
-            reason, completion = FinishReason.STOP, stream.text.num_consumed
-        elif stream.cancel_requested:
-            reason = FinishReason.CANCELLED
-        usage = Usage(prompt_tokens=msg.usage.prompt_tokens, completion_tokens=completion,
-                      cached_tokens=msg.usage.cached_tokens)  # fmt: skip
-        return Done(id=stream.client_id, finish_reason=reason, usage=usage)
-
-    def _emit(
-        self, stream: Stream, text: str, token_ids: list[int], index: int, *, final: bool = False
-    ) -> None:
-        if not stream.stream:
-            stream.held_text.append(text)
-            stream.held_ids.extend(token_ids)
-            text, token_ids, index = "".join(stream.held_text), stream.held_ids, 0
-            if not final:
-                return
-        if text or token_ids:
-            token = Token(id=stream.client_id, text=text, token_ids=token_ids, index=index)
-            self._out.append(ToClient(stream.client, token))
-
     # ---- cancellation and endings -------------------------------------------------------
 
-    def _cancel(self, identity: bytes, client_id: str, now: float) -> None:
-        stream = self._streams.get(self._by_client.get((identity, client_id), ""))
-        if stream is None or stream.cancel_requested:
+    def _cancel(self, stream: Stream, now: float) -> None:
+        if stream.cancel_requested:
             return
         stream.cancel_requested = True
         if stream.phase is Phase.QUEUED:
             usage = Usage(prompt_tokens=stream.context_tokens, completion_tokens=0)
-            self._end(stream, Done(id=client_id, finish_reason=FinishReason.CANCELLED, usage=usage), now)
+            self._end(stream, Done(id=stream.client_id, finish_reason=FinishReason.CANCELLED, usage=usage), now)
         elif stream.phase is Phase.RUNNING and not stream.text.stopped:
             self._abort_on_engine(stream)
 
@@ -338,22 +397,18 @@ class GatewayCore:
             self._out.append(ToEngine(engine.identity, EngineAbort(ids=[stream.request_id])))
 
     def _revoked(self, msg: Revoked, now: float) -> None:
+        self.observer.revoked(msg)
+        error = _revoke_error(msg)
         for request_id in msg.request_ids:
             if request_id in self._streams:
-                self._end(self._streams[request_id], self._revoke_error(msg), now)
+                self._end(self._streams[request_id], error, now)
         ended = set(msg.lease_ids)
-        waiting = (Phase.QUEUED, Phase.RESERVING)
-        for stream in [s for s in self._streams.values() if s.lease_id in ended]:
-            if stream.phase in waiting:
-                self._end(stream, self._revoke_error(msg), now)
+        for lease_id in ended:
+            self.clients.lease_ended(lease_id)
+        for stream in [s for s in self._streams.values() if s.lease_id in ended and s.phase in _WAITING]:
+            self._end(stream, error, now)
         for session_id in msg.session_ids:
-            self.sessions.drop(session_id, msg.code)
-
-    @staticmethod
-    def _revoke_error(msg: Revoked) -> Error:
-        reasons = {ErrorCode.LEASE_EXPIRED: "the lease expired", ErrorCode.ENGINE_FAILED:
-                   "the engine failed", ErrorCode.CANCELLED: "the lease or session was closed"}
-        return Error(code=msg.code, message=reasons.get(msg.code, f"revoked ({msg.code})"))
+            self._drop_session(session_id, error, now)
 
     def _engine_lost(self, engine_id: str, epoch: int, now: float, *, tell_controller: bool) -> None:
         self.counters.engines_lost += self.engines.drop(engine_id, epoch)
@@ -362,50 +417,84 @@ class GatewayCore:
         for stream in lost:
             exc = EngineFailed(f"engine {engine_id} (epoch {epoch}) failed mid-request")
             self._end(stream, error_reply(exc, None), now)
-        for session_id in self.sessions.on_engine(engine_id):
-            self.sessions.drop(session_id, ErrorCode.ENGINE_FAILED)
+        for record in self.sessions.on_engine(engine_id):
+            exc = EngineFailed(f"engine {engine_id} (epoch {epoch}) failed; the session was lost with it")
+            self._drop_session(record.session_id, error_reply(exc, None), now)
         if tell_controller:
             self._out.append(ToController(EngineDead(engine_id=engine_id, epoch=epoch)))
 
-    def _close_session_locally(self, session_id: str, now: float) -> None:
-        waiting = [s for s in self._streams.values() if s.session_id == session_id
-                   and s.phase in (Phase.QUEUED, Phase.RESERVING)]  # fmt: skip
-        for stream in waiting:
-            self._end(stream, Error(code=ErrorCode.CANCELLED, message="the session was closed"), now)
-        if self.sessions.get(session_id) is not None:
-            self.sessions.drop(session_id, ErrorCode.CANCELLED)
+    def _probe_session_holders(self, now: float) -> None:
+        """Keepalives to connections owning sessions, so a closed one's sessions close too."""
+        holders = self.sessions.connection_owners()
+        self._probed = {i: t for i, t in self._probed.items() if i in holders}
+        for identity in holders:
+            if now - self._probed.get(identity, 0.0) >= SESSION_PROBE_S:
+                self._probed[identity] = now
+                self._out.append(ToClient(identity, Keepalive()))
 
-    def _end_with_error(self, stream: Stream, msg: Error, now: float) -> None:
-        if stream.phase is Phase.RESERVING:  # the controller refused the reservation
-            self._end(stream, msg, now)
+    def _drop_session(self, session_id: str, error: Error, now: float) -> None:
+        """A session ended: its turn waiting for a place or a reservation ends with `error`."""
+        for stream in [s for s in self._streams.values() if s.session_id == session_id and s.phase in _WAITING]:
+            self._end(stream, error, now)
+        self.sessions.drop(session_id, error.code)
+
+    def _session_close(self, identity: bytes, msg: SessionClose, now: float) -> None:
+        record = self.sessions.get(session_owner(identity, msg.lease_id), msg.session_id)
+        if record is None:  # unknown, ended or someone else's: the same answer
+            self._out.append(ToClient(identity, SessionClosed(id=msg.id, session_id=msg.session_id)))
+            return
+        try:
+            self.desk.check(identity, msg)
+        except ButtermilkError as exc:
+            self._out.append(ToClient(identity, error_reply(exc, msg.id)))
+            return
+        self._drop_session(record.session_id, Error(code=ErrorCode.CANCELLED, message="the session was closed"), now)
+        internal = msg.model_copy(update={"session_id": record.session_id, "lease_id": None})
+        self._out.append(self.desk.forward(identity, internal, now, session_id=msg.session_id))
 
     def _end(self, stream: Stream, terminal: Done | Error, now: float, *, turn: Turn | None = None) -> None:
         """Send the one terminal message, forget the stream, free its pool place."""
         if isinstance(terminal, Error):
             terminal = terminal.model_copy(update={"id": stream.client_id})
-            key = terminal.code.value
+            self.counters.ended(terminal.code.value)
         else:
-            key = terminal.finish_reason.value
-        self.counters.streams_ended[key] = self.counters.streams_ended.get(key, 0) + 1
-        self._out.append(ToClient(stream.client, terminal))
+            self.counters.ended(terminal.finish_reason.value)
+        self.observer.ended(stream, terminal, now)
+        if not stream.client_gone:
+            self._out.append(ToClient(stream.client, terminal))
         del self._streams[stream.request_id]
         del self._by_client[(stream.client, stream.client_id)]
+        self.clients.end_request(stream.client, stream.request_id)
         if stream.session_id is not None:
             self.sessions.end_turn(stream.session_id, turn)
         for request_id in self.pool.finish(stream.request_id, now):
-            self._reserve(self._streams[request_id])
+            self._reserve(self._streams[request_id], now)
 
-    # ---- control replies ----------------------------------------------------------------
+    # ---- control requests ---------------------------------------------------------------
+
+    def _forward(self, identity: bytes, msg: Message, now: float) -> None:
+        """Relay a lease verb or stats to the controller, within the connection's caps."""
+        try:
+            self.desk.check(identity, msg)
+        except ButtermilkError as exc:
+            self._out.append(ToClient(identity, error_reply(exc, msg.id)))
+            return
+        self._out.append(self.desk.forward(identity, msg, now))
 
     def _control_reply(self, msg: Message) -> None:
         s = self.pool.stats()
         pool = PoolUsage(active=s.active, queued=s.queued, max_active=s.max_active, max_queue=s.max_queue)
-        reply = self._control.reply(msg, pool)
-        if reply is None:
-            self.counters.orphan_controller_replies += 1
-        else:
-            self._out.append(reply)
+        self._out += self.desk.reply(msg, pool)
 
-    def _flush(self) -> list[Send]:
+    def _flush(self, now: float) -> list[Send]:
         out, self._out = self._out, []
+        for send in out:
+            if isinstance(send, ToClient):
+                self.clients.sent(send.identity, now)
         return out
+
+
+def _revoke_error(msg: Revoked) -> Error:
+    reasons = {ErrorCode.LEASE_EXPIRED: "the lease expired", ErrorCode.ENGINE_FAILED: "the engine failed",
+               ErrorCode.CANCELLED: "the lease or session was closed, or the idle session was evicted"}  # fmt: skip
+    return Error(code=msg.code, message=reasons.get(msg.code, f"revoked ({msg.code})"))

@@ -24,6 +24,12 @@ Costs of this layout:
 - Page tables are shared by all layers, so in a model mixing full and windowed layers a slot
   gets pages for its full length and the windowed layers leave most of them unused.
 
+Hybrid models: recurrent layers keep a fixed-size state per slot in a `StatePool` beside the
+pages (same slot ids, so the same generations); a `CacheLayout` puts each forward's attention
+and recurrent caches back into the model's cache-list shape. A forward reads its rows' state
+and writes the new state back; a decode window carries the rows' state from step to step and
+`write_window_states` stores it when the window is collected.
+
 Windows follow `KVCache` exactly: a windowed sequence holds at most `window.max_size` token
 slots (logical slot `window.slot(position)`); the decode token overwrites the evicted slot
 first; a multi-token chunk that wraps attends over the old slots plus the chunk, then writes
@@ -45,25 +51,27 @@ from kernels.kv_format import LayerFormat
 from . import pool_rows
 from .factory import CacheOptions, make_layer_caches
 from .kv import KVCache
+from .layout import CacheLayout
 from .pages import LayerBudget, SlotTable, SlotView
+from .prefix import format_root
 from .decode_window import TAIL_PAGES_PER_ROW, WindowIndex, plan_window
 from .paged_index import plan_group
 from .paged_layers import ForwardIndex, LayerSpec, PagedLayerCache, PagedStorage
+from .recurrent import leaf_caches
+from .state_pool import StatePool, StateSpec, probe_state_specs
 
 
 def layer_specs(model: nn.Module, options: CacheOptions) -> list[tuple]:
-    """Per-layer (key part, value part, window), translated as `make_layer_caches` does.
+    """Per attention layer (key part, value part, window, geometry), translated as `make_layer_caches` does.
+
+    Recurrent layers are skipped (they keep state, not pages: see `CacheLayout`).
 
     Raises:
-        ValueError: a layer that is not attention (recurrent state cannot be paged), or an
-            unknown scheme.
+        ValueError: an unknown scheme, a cache kind we do not translate, or a scheme that cannot
+            store a layer's widths.
     """
-    specs = []
-    for layer, cache in enumerate(make_layer_caches(model, options)):
-        if not isinstance(cache, KVCache):
-            raise ValueError(f"layer {layer}: {type(cache).__name__} layers are not supported by BatchedKVCache")
-        specs.append((cache.key, cache.value, cache.window))
-    return specs
+    return [(c.key, c.value, c.window, c.geometry) for c in leaf_caches(make_layer_caches(model, options))
+            if isinstance(c, KVCache)]
 
 
 def bucket_pages(num_pages: int) -> int:
@@ -75,40 +83,62 @@ class BatchedKVCache:
     """K/V storage of many sequences in fixed-size pages, one `SlotTable` for all layers.
 
     Args:
-        layers (Sequence[tuple[PartFormat, PartFormat, Window | None]]): Per attention layer.
-        n_kv_heads (int): KV heads per layer.
-        head_dim (int): Dimensions per head.
+        layers (Sequence[tuple[PartFormat, PartFormat, Window | None, LayerGeometry]]): Per
+            attention layer: its parts, window and geometry (widths may differ between layers
+            and between keys and values; the number of kv heads may not).
         capacity_tokens (int): Token slots of storage, rounded down to whole pages.
         page_size (int): Token slots per page. Default: 16.
         max_slots (int): Sequences held at once. Default: 64.
+        prefix_key (str | None): The model's identity (path, weight dtype): turns the prefix
+            cache on, its hash chains rooted in it and in every layer's format and window
+            (`prefix.format_root`). None: pages are never shared; also off for models with
+            recurrent state (a state cannot resume from shared K/V). Default: None.
+        states (Sequence[StateSpec]): Per recurrent layer, its state per slot. Default: none.
+        layout (CacheLayout | None): The model's cache list over `layers` and `states`.
+            Default: the attention layers in order.
 
     Raises:
-        ValueError: capacity below one page, a non-positive size, or a scheme that cannot store head_dim.
+        ValueError: capacity below one page, a non-positive size, no attention layer, a layout
+            that does not match, layers storing different numbers of kv heads, or a scheme that
+            cannot store a layer's widths.
     """
 
     def __init__(
         self,
-        layers: Sequence[LayerSpec],
+        layers: Sequence[tuple],
         *,
-        n_kv_heads: int,
-        head_dim: int,
         capacity_tokens: int,
         page_size: int = 16,
         max_slots: int = 64,
+        prefix_key: str | None = None,
+        states: Sequence[StateSpec] = (),
+        layout: CacheLayout | None = None,
     ):
+        self.layout = layout or CacheLayout(tuple(("kv", i) for i in range(len(layers))))
+        if (self.layout.num_kv, self.layout.num_state) != (len(layers), len(states)) or not layers:
+            raise ValueError(f"a layout of {self.layout.num_kv} attention and {self.layout.num_state} recurrent "
+                             f"layers for {len(layers)} and {len(states)} (at least one attention layer)")
         if page_size < 1 or capacity_tokens < page_size:
             raise ValueError(f"capacity_tokens {capacity_tokens} must hold at least one page of {page_size} tokens")
-        self.layers = tuple(LayerSpec(LayerFormat(k, v, head_dim), w) for k, v, w in layers)
-        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        heads = sorted({g.n_kv_heads for *_, g in layers})
+        if len(heads) != 1:
+            raise ValueError(f"layers store {heads} kv heads per token; BatchedKVCache needs one count for every layer")
+        self.layers = tuple(LayerSpec(LayerFormat(k, v, g.key_dim, g.value_dim), w, g.latent) for k, v, w, g in layers)
+        n_kv_heads = self.n_kv_heads = heads[0]
         num_pages = capacity_tokens // page_size
         rows = num_pages * n_kv_heads * page_size
         pools = [pool_rows.allocate(spec.fmt, rows) for spec in self.layers]
         self.storage = PagedStorage(pools, n_kv_heads=n_kv_heads, page_size=page_size)
         budgets = [
-            LayerBudget(None if s.window is None else s.window.max_size, s.fmt.bytes_per_row * n_kv_heads)
+            LayerBudget(None if s.window is None else s.window.max_size, s.fmt.bytes_per_row * n_kv_heads,
+                        0 if s.window is None else s.window.keep)
             for s in self.layers
         ]
-        self.slots = SlotTable(num_pages=num_pages, page_size=page_size, max_slots=max_slots, layers=budgets)
+        self.states = StatePool(states, max_slots)
+        shared = prefix_key is not None and not self.states.bytes_per_slot
+        root = format_root(prefix_key, self.layers, n_kv_heads, page_size) if shared else None
+        self.slots = SlotTable(num_pages=num_pages, page_size=page_size, max_slots=max_slots, layers=budgets,
+                               prefix_root=root, state_bytes_per_slot=self.states.bytes_per_slot)
         # Decode windows write a tail pool where steps are launched back to back (a GPU); on the
         # CPU backend they write the main pools, each step after the last (decode_window).
         self.use_tail = mx.default_device() != mx.cpu
@@ -119,8 +149,15 @@ class BatchedKVCache:
 
     @classmethod
     def for_model(cls, model: nn.Module, options: CacheOptions, **kwargs) -> BatchedKVCache:
-        """Build for a model's layers (see `layer_specs`); `kwargs` as in the constructor."""
-        return cls(layer_specs(model, options), **kwargs)
+        """Build for a model's layers (see `layer_specs`; recurrent state sized by `probe_state_specs`).
+
+        `kwargs` as in the constructor.
+        """
+        layout = CacheLayout.of(make_layer_caches(model, options))
+        if not layout.num_kv:
+            raise ValueError("the model has no attention layer: the engine serves models with at least one")
+        states = probe_state_specs(model) if layout.num_state else ()
+        return cls(layer_specs(model, options), states=states, layout=layout, **kwargs)
 
     # -- bookkeeping (delegated to the slot table) ---------------------------------
 
@@ -147,13 +184,23 @@ class BatchedKVCache:
         return self.slots.release(view)
 
     @property
+    def state_bytes_per_slot(self) -> int:
+        """Recurrent state bytes of one slot (0 for models without recurrent layers)."""
+        return self.states.bytes_per_slot
+
+    @property
     def arrays(self) -> list[mx.array]:
-        """Every storage array (evaluate them after each forward so the graph stays short)."""
+        """Every page pool array (evaluate them after each forward so the graph stays short)."""
         return self.storage.arrays
 
     def replace_arrays(self, arrays: Sequence[mx.array]) -> None:
         """Adopt the storage arrays a traced forward returned (same order as `arrays`)."""
         self.storage = self.storage.with_arrays(arrays)
+
+    @property
+    def state_arrays(self) -> list[mx.array]:
+        """Every recurrent state pool array (hybrid models; evaluate them with `arrays`)."""
+        return self.states.arrays
 
     # -- forwards ---------------------------------------------------------------
 
@@ -168,16 +215,18 @@ class BatchedKVCache:
             num_new (int): L, new tokens per row.
 
         Returns:
-            PagedBatch: per-layer caches to pass as `model(..., cache=batch.layers)`.
+            PagedBatch: the caches to pass as `model(..., cache=batch.layers)`; recurrent layers
+            read the rows' state (zero for a row starting at position 0) and write it back.
 
         Raises:
             CapacityExhausted: the free pages do not cover the new tokens; nothing changed.
             StaleSlot: a view is stale; nothing changed.
             ValueError: no rows, or `num_new < 1`.
         """
-        indices = self._plan(views, num_new)
+        starts, indices = self._plan(views, num_new)
         layers = [PagedLayerCache(self.storage, i, spec, indices[spec.window]) for i, spec in enumerate(self.layers)]
-        return PagedBatch(layers, [a for layer in layers for a in layer.prefetched])
+        states = self.states.views(self._slot_ids(views), starts == 0) if self.states.specs else []
+        return PagedBatch(self.layout.assemble(layers, states), [a for layer in layers for a in layer.prefetched])
 
     @property
     def num_pages(self) -> int:
@@ -193,7 +242,7 @@ class BatchedKVCache:
             CapacityExhausted, StaleSlot, ValueError: as `batch`; ValueError also for a window
                 longer than a page or more rows than the tail pool serves.
         """
-        starts, padded = self._begin(views, num_steps)
+        starts, padded = self._begin(views, num_steps, keeps_start_state=True)
         shape = {"n_kv_heads": self.n_kv_heads, "num_pages": self.num_pages, "tail_pages": self.tail_pages,
                  "page_size": self.page_size, "read_pages": bucket_pages, "use_tail": self.use_tail}
         return [plan_window(w, starts, num_steps, padded, **shape) for w in self.windows]
@@ -235,37 +284,54 @@ class BatchedKVCache:
     def replace_tail_arrays(self, arrays: Sequence[mx.array]) -> None:
         self.tail = self.tail.with_arrays(arrays)
 
-    def window_layers(self, arrays: Sequence[mx.array], tail_arrays: Sequence[mx.array], indices):
-        """Per-layer caches of one window step over given arrays (traceable: no state read).
+    def read_window_states(self, views: Sequence[SlotView]) -> list[mx.array]:
+        """The rows' recurrent state at a decode window's start (`states.arrays` order, [B, ...]; lazy)."""
+        return self.states.read(self._slot_ids(views)) if self.states.specs else []
+
+    def write_window_states(self, views: Sequence[SlotView], rows: Sequence[mx.array]) -> None:
+        """Store rows' recurrent state (as `read_window_states` orders it) into their slots."""
+        if rows:
+            self.states.write(self._slot_ids(views), rows)
+
+    def window_layers(self, arrays: Sequence[mx.array], tail_arrays: Sequence[mx.array], indices,
+                      state_rows: Sequence[mx.array] = ()):
+        """The caches of one window step over given arrays (traceable: no state read).
 
         Args:
             arrays, tail_arrays: Main and tail pool arrays, as `arrays` / `tail_arrays` order them.
             indices: One step of `window_indices` (per window rule: rows, page table, lengths, offsets).
+            state_rows: The rows' recurrent state before the step (`read_window_states` order).
 
         Returns:
-            tuple[list[PagedLayerCache], PagedStorage]: the caches to run the model with, and the
-            storage they write — the tail, or the main pools without one (read its `arrays` after).
+            tuple[list, PagedStorage, list[RecurrentStateCache]]: the caches to run the model with,
+            the storage they write — the tail, or the main pools without one (read its `arrays`
+            after) — and the recurrent layers' views (their `cache` lists hold the state after the step).
         """
         storage = self.storage.with_arrays(arrays)
         tail = self.tail.with_arrays(tail_arrays) if self.use_tail else None
         index = {window: ForwardIndex.from_decode_arrays(group) for window, group in zip(self.windows, indices)}
         layers = [PagedLayerCache(storage, i, spec, index[spec.window], tail=tail) for i, spec in enumerate(self.layers)]
-        return layers, tail if self.use_tail else storage
+        states = self.states.row_views(state_rows) if self.states.specs else []
+        return self.layout.assemble(layers, states), tail if self.use_tail else storage, states
 
-    def _begin(self, views: Sequence[SlotView], num_new: int) -> tuple[np.ndarray, np.ndarray]:
+    @staticmethod
+    def _slot_ids(views: Sequence[SlotView]) -> mx.array:
+        return mx.array([view.slot_id for view in views], mx.int32)
+
+    def _begin(self, views: Sequence[SlotView], num_new: int, *, keeps_start_state: bool = False):
         if not views or num_new < 1:
             raise ValueError(f"a forward needs rows and new tokens, got {len(views)} rows of {num_new}")
-        starts, tables = self.slots.begin_forward(views, num_new)
+        starts, tables = self.slots.begin_forward(views, num_new, keeps_start_state=keeps_start_state)
         padded = np.zeros((len(tables), max(map(len, tables))), np.int64)
         for row, table in enumerate(tables):
             padded[row, : len(table)] = table
         return np.array(starts, np.int64), padded
 
-    def _plan(self, views: Sequence[SlotView], num_new: int) -> dict:
+    def _plan(self, views: Sequence[SlotView], num_new: int) -> tuple[np.ndarray, dict]:
         starts, padded = self._begin(views, num_new)
         shape = {"n_kv_heads": self.n_kv_heads, "num_pages": self.num_pages, "page_size": self.page_size}
-        return {w: ForwardIndex.from_plan(plan_group(w, starts, num_new, padded, **shape), starts)
-                for w in self.windows}
+        return starts, {w: ForwardIndex.from_plan(plan_group(w, starts, num_new, padded, **shape), starts)
+                        for w in self.windows}
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,10 +339,11 @@ class PagedBatch:
     """One forward's per-layer caches, and arrays to evaluate before running it.
 
     Attributes:
-        layers (list[PagedLayerCache]): Pass as `cache=` to the model.
+        layers (list): Pass as `cache=` to the model (per cache index: a `PagedLayerCache`, a
+            recurrent layer's `PooledStateCache`, or a `CacheGroup` of them).
         prefetch (list[mx.array]): Old K/V a window-wrapping chunk reads; evaluating them
             before the forward lets its writes land in place (empty in every other case).
     """
 
-    layers: list[PagedLayerCache]
+    layers: list
     prefetch: list[mx.array]

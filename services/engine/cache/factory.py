@@ -8,9 +8,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 
+from .geometry import probe_geometry
 from .kv import KVCache
-from .recurrent import RecurrentStateCache
-from .schemes import layer_parts
+from .recurrent import CacheGroup, RecurrentStateCache
+from .schemes import layer_parts, parse_layer_overrides
 from .window import Window
 
 
@@ -40,30 +41,47 @@ def model_dtype(model: nn.Module) -> mx.Dtype:
 
 
 def make_layer_caches(model: nn.Module, options: CacheOptions) -> list:
-    """Build one cache per layer, keeping each layer's architectural kind.
+    """Build one cache per entry of the model's cache list, keeping each layer's architectural kind.
 
     Full-attention layers get a `KVCache` in the chosen scheme; architectural sliding
     layers (`RotatingKVCache` in mlx-lm) get a windowed `KVCache` whose window composes
     with the user's (the smaller wins); recurrent layers (`ArraysCache`) get a
-    `RecurrentStateCache`.
+    `RecurrentStateCache` (never quantized); a `CacheList` (several mixers in one layer)
+    gets a `CacheGroup` of its members. Scheme overrides and seeds use the entry's index. Each
+    `KVCache` knows its layer's geometry (`geometry.probe_geometry`: key and value widths, kv
+    heads, latent or attended in place).
 
     Raises:
-        ValueError: an unknown scheme, or a cache kind we do not translate.
+        ValueError: an unknown scheme, a scheme that cannot store a layer's widths (the message
+            names the layer), or a cache kind we do not translate.
     """
-    template = model.make_cache() if hasattr(model, "make_cache") else [mlx_cache.KVCache() for _ in model.layers]
+    template = _template(model)
+    geometries = probe_geometry(model, _template(model))
     dtype = model_dtype(model)
-    caches = []
-    for layer, proto in enumerate(template):
-        if isinstance(proto, mlx_cache.ArraysCache):
-            caches.append(RecurrentStateCache(len(proto.cache)))
-            continue
-        if isinstance(proto, mlx_cache.RotatingKVCache):
-            window = Window(proto.max_size, proto.keep).compose(options.window)
-        elif isinstance(proto, mlx_cache.KVCache):
-            window = options.window
-        else:
-            raise ValueError(f"layer {layer}: cache kind {type(proto).__name__} is not supported")
-        scheme = "raw" if layer in options.raw_layers else options.scheme
-        key, value = layer_parts(scheme, layer=layer, dtype=dtype)
-        caches.append(KVCache(key, value, max_tokens=options.max_context, window=window))
-    return caches
+    return [_translate(proto, geometry, layer, options, dtype) for layer, (proto, geometry)
+            in enumerate(zip(template, geometries))]
+
+
+def _translate(proto, geometry, layer: int, options: CacheOptions, dtype: mx.Dtype):
+    if isinstance(proto, mlx_cache.CacheList):
+        return CacheGroup(*(_translate(m, g, layer, options, dtype) for m, g in zip(proto.caches, geometry)))
+    if isinstance(proto, mlx_cache.ArraysCache):
+        return RecurrentStateCache(len(proto.cache))
+    if isinstance(proto, mlx_cache.RotatingKVCache):
+        window = Window(proto.max_size, proto.keep).compose(options.window)
+    elif isinstance(proto, mlx_cache.KVCache):
+        window = options.window
+    else:
+        raise ValueError(f"layer {layer}: cache kind {type(proto).__name__} is not supported")
+    scheme = "raw" if layer in options.raw_layers else options.scheme
+    key, value = layer_parts(scheme, layer=layer, dtype=dtype)
+    try:
+        return KVCache(key, value, max_tokens=options.max_context, window=window, geometry=geometry)
+    except ValueError as exc:
+        base, overrides = parse_layer_overrides(scheme)
+        raise ValueError(f"layer {layer} ({overrides.get(layer, base)}): {exc}") from exc
+
+
+def _template(model: nn.Module) -> list:
+    """Fresh mlx-lm caches, one per layer (the model's `make_cache()`, else plain KV caches)."""
+    return model.make_cache() if hasattr(model, "make_cache") else [mlx_cache.KVCache() for _ in model.layers]

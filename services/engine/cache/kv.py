@@ -10,11 +10,13 @@ import mlx.core as mx
 import numpy as np
 
 from kernels.kv_format import LayerFormat, PartFormat
+from kernels.latent_attention import latent_mask, latent_operands
 from kernels.paged_attention import (History, PoolRef, WindowRule, contiguous_attention, decode_attention,
                                      prefill_attention, uses_cuda)
 from shared.errors import ContextOverflow
 
 from . import pool_rows
+from .geometry import LayerGeometry
 from .paged_index import ring_writes
 from .protocol import AttendingCache
 from .window import Window
@@ -40,26 +42,36 @@ class KVCache(AttendingCache):
     (the context cap) or, under a window, past `window.max_size`: memory is never preallocated
     to the advertised context. `offset` counts every token seen (it drives RoPE) and keeps
     growing across window evictions, while the live length stays `<= window.max_size`.
-    Attention reads the pools in place (`kernels.paged_attention`).
+    Attention reads the pools in place (`kernels.paged_attention`), except in a latent layer
+    (MLA), where `update_and_fetch` returns the decoded slots and the model attends over what
+    it derives from them (`kernels.latent_attention`).
 
     Args:
         key (PartFormat): How keys are stored.
         value (PartFormat): How values are stored.
         max_tokens (int): Context cap for this sequence, in tokens (`--max-context`).
         window (Window | None): Sliding window with sinks, or `None` for full attention.
+        geometry (LayerGeometry | None): The layer's K/V shapes and kind (`geometry.probe_geometry`);
+            None: widths are read at the first update and the layer is attended in place.
 
     Raises:
         ContextOverflow: from `update_and_fetch` when a full-attention cache would pass `max_tokens`.
-        ValueError: from the first `update_and_fetch` when the scheme cannot store its head_dim.
+        ValueError: here (or at the first `update_and_fetch` without `geometry`) when the scheme
+            cannot store the layer's widths; from `update_and_fetch` for widths other than `geometry`'s.
     """
 
     step = 256
 
-    def __init__(self, key: PartFormat, value: PartFormat, *, max_tokens: int, window: Window | None = None):
+    def __init__(self, key: PartFormat, value: PartFormat, *, max_tokens: int, window: Window | None = None,
+                 geometry: LayerGeometry | None = None):
         self.key, self.value = key, value
         self.max_tokens, self.window = max_tokens, window
         self.offset = 0
-        self.fmt: LayerFormat | None = None  # known at the first update (head_dim)
+        self.geometry = geometry
+        self.latent = geometry is not None and geometry.latent
+        self.fmt: LayerFormat | None = None  # known from geometry, else at the first update
+        if geometry is not None:
+            self.fmt = LayerFormat(key, value, geometry.key_dim, geometry.value_dim)
         self._store: tuple[mx.array, ...] | None = None  # per pool [H, B, capacity, width]
         self._batch = self._heads = self._row_pages = 0
         self._update: _Update | None = None
@@ -103,21 +115,28 @@ class KVCache(AttendingCache):
         """Store L new tokens; `attend` then computes attention over what is held.
 
         Args:
-            keys (mx.array): [B, n_kv_heads, L, head_dim], RoPE applied at positions `offset ..`.
-            values (mx.array): [B, n_kv_heads, L, head_dim].
+            keys (mx.array): [B, n_kv_heads, L, Dk], RoPE applied at positions `offset ..`.
+            values (mx.array): [B, n_kv_heads, L, Dv].
 
         Returns:
-            tuple: `keys, values` unchanged (attention reads the pools, see `attend`).
+            tuple: `keys, values` unchanged (attention reads the pools, see `attend`); in a latent
+            layer, every slot the new tokens see, decoded: [B, n_kv_heads, T, Dk | Dv] in `keys`' dtype.
 
         Raises:
             ContextOverflow: the sequence would pass `max_tokens` (full attention only).
+            ValueError: widths other than the layer's geometry.
         """
-        batch, heads, num_new, head_dim = keys.shape
+        batch, heads, num_new, key_dim = keys.shape
         start = self.offset
         if self.window is None and start + num_new > self.max_tokens:
             raise ContextOverflow(start + num_new, self.max_tokens, what="sequence")
         if self.fmt is None:
-            self.fmt, self._batch, self._heads = LayerFormat(self.key, self.value, head_dim), batch, heads
+            self.fmt = LayerFormat(self.key, self.value, key_dim, values.shape[-1])
+        elif (key_dim, values.shape[-1]) != (self.fmt.key_dim, self.fmt.value_dim):
+            raise ValueError(f"layer stores keys of {self.fmt.key_dim} and values of {self.fmt.value_dim}, "
+                             f"got {key_dim} and {values.shape[-1]}")
+        if self._store is None:
+            self._batch, self._heads = batch, heads
         new = pool_rows.encode(self.fmt, keys, values)
         window, history = self.window, None
         if window is None or start + num_new <= window.max_size:
@@ -130,10 +149,17 @@ class KVCache(AttendingCache):
             self._write_ring(new, start)
         self.offset += num_new
         self._update = _Update(start, num_new, new, history)
+        if self.latent:
+            ref = PoolRef(self.fmt, self._pools, self._heads, PAGE_SIZE)
+            return latent_operands(ref, self._latent_history(start, num_new, history), None if num_new == 1 else new,
+                                   keys.dtype)
         return keys, values
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """`None` for one query, else `"causal"`; `attend` masks from positions, not from this.
+
+        A latent layer gets, for a prompt chunk, the visibility [1, 1, N, T] of the slots its
+        `update_and_fetch` will return (the model applies it).
 
         Raises:
             ValueError: a plain `window_size` asked of a full-attention layer that it would cut.
@@ -141,7 +167,36 @@ class KVCache(AttendingCache):
         if window_size is not None and self.window is None and self.offset + N > window_size:
             raise ValueError("a sliding window_size on a full-attention cache is not supported; "
                              "give the layer a window (make_cache's RotatingKVCache)")
-        return None if N == 1 else "causal"
+        if N == 1:
+            return None
+        if not self.latent:
+            return "causal"
+        queries = mx.arange(self.offset, self.offset + N, dtype=mx.int32)[None]
+        rule = None if self.window is None else WindowRule(self.window.keep, self.window.ring)
+        return latent_mask(self._latent_history(self.offset, N, None), self._seen(self.offset), queries, rule)
+
+    def _seen(self, start: int) -> int:
+        """Live slots before position `start` is stored (tokens)."""
+        return start if self.window is None else min(start, self.window.max_size)
+
+    def _latent_history(self, start: int, num_new: int, wrapped: tuple[mx.array, ...] | None) -> History | None:
+        """The stored slots a latent layer's forward sees besides its chunk (decode: every live slot).
+
+        Called before the update (`make_mask`, rows unread) and after it (`update_and_fetch`,
+        `wrapped` the old ring when the chunk wrapped the window), with the same answer.
+        """
+        window = self.window
+        if num_new == 1:
+            live = start + 1 if window is None else min(start + 1, window.max_size)
+            return History(_lengths(1, live), rows=self._views(live) if self._store is not None else None)
+        seen = self._seen(start)
+        if not seen:
+            return None
+        rows = wrapped if wrapped is not None else (self._views(seen) if self._store is not None else None)
+        positions = None
+        if window is not None and start + num_new > window.max_size:
+            positions = mx.array(window.stored_positions(start)[None].astype(np.int32))
+        return History(_lengths(1, seen), rows=rows, positions=positions)
 
     def attend(self, queries, keys, values, *, scale: float, mask, sinks=None) -> mx.array:
         """Attention of queries [B, n_heads, L, head_dim] over the held tokens (and the new ones).
@@ -157,6 +212,8 @@ class KVCache(AttendingCache):
             ValueError: an explicit mask for a chunk that wrapped the window.
         """
         update, fmt = self._update, self.fmt
+        if self.latent:  # keys and values are what the model derived from `update_and_fetch`'s slots
+            return contiguous_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if isinstance(mask, mx.array):
             return self._dense(queries, mask, scale, sinks)
         ref = PoolRef(fmt, self._pools, self._heads, PAGE_SIZE)
@@ -224,15 +281,19 @@ class KVCache(AttendingCache):
     def meta_state(self) -> dict[str, str]:
         meta = {"offset": str(self.offset), "max_tokens": str(self.max_tokens)}
         if self.fmt is not None:
-            meta["head_dim"] = str(self.fmt.head_dim)
+            meta |= {"key_dim": str(self.fmt.key_dim), "value_dim": str(self.fmt.value_dim)}
+        if self.latent:
+            meta["latent"] = "1"
         if self.window is not None:
             meta |= {"window_max_size": str(self.window.max_size), "window_keep": str(self.window.keep)}
         meta |= {f"key_{k}": v for k, v in self.key.meta().items()}
         return meta | {f"value_{k}": v for k, v in self.value.meta().items()}
 
-    def restore_format(self, head_dim: int) -> None:
+    def restore_format(self, key_dim: int, value_dim: int, *, latent: bool = False) -> None:
         """Set the layer format after `state` was assigned (persistence)."""
-        self.fmt = LayerFormat(self.key, self.value, head_dim)
+        self.fmt = LayerFormat(self.key, self.value, key_dim, value_dim)
+        self.geometry = LayerGeometry(self._heads, key_dim, value_dim, latent)
+        self.latent = latent
 
     # -- storage ----------------------------------------------------------------
 

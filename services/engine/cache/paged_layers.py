@@ -13,7 +13,9 @@ import mlx.core as mx
 import numpy as np
 
 from kernels.kv_format import LayerFormat
-from kernels.paged_attention import History, PoolRef, WindowRule, decode_attention, prefill_attention
+from kernels.latent_attention import latent_mask, latent_operands
+from kernels.paged_attention import (History, PoolRef, WindowRule, contiguous_attention, decode_attention,
+                                     prefill_attention)
 
 from . import pool_rows
 from .paged_index import GroupIndex
@@ -23,10 +25,11 @@ from .window import Window
 
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
-    """One attention layer's storage format and window (`None`: full attention)."""
+    """One attention layer's storage format, window (`None`: full attention) and kind (latent: MLA)."""
 
     fmt: LayerFormat
     window: Window | None = None
+    latent: bool = False
 
     @property
     def rule(self) -> WindowRule | None:
@@ -111,7 +114,9 @@ class PagedLayerCache(AttendingCache):
 
     `offset` is an int for one row, else an int32 [B] array of per-row start positions
     (mlx's RoPE takes either). `update_and_fetch` writes the new tokens into the rows' pages;
-    `attend` reads the pools in place (`kernels.paged_attention`).
+    `attend` reads the pools in place (`kernels.paged_attention`). A latent layer (MLA) instead
+    returns every slot the rows see, decoded, from `update_and_fetch`, and its `make_mask` gives
+    their visibility per row (`kernels.latent_attention`).
     """
 
     def __init__(self, storage: PagedStorage, layer: int, spec: LayerSpec, index: ForwardIndex, *,
@@ -127,8 +132,12 @@ class PagedLayerCache(AttendingCache):
         """Store L new tokens per row; returns `keys, values` unchanged (`attend` reads the pools).
 
         Args:
-            keys (mx.array): [B, n_kv_heads, L, head_dim], RoPE applied at each row's positions.
-            values (mx.array): [B, n_kv_heads, L, head_dim].
+            keys (mx.array): [B, n_kv_heads, L, Dk], RoPE applied at each row's positions.
+            values (mx.array): [B, n_kv_heads, L, Dv].
+
+        Returns:
+            tuple: `keys, values` unchanged; in a latent layer the rows' slots, decoded, in `keys`' dtype:
+            [B, n_kv_heads, T, Dk | Dv] (T: history slots read, then the L new ones; zeros past a row's length).
 
         Raises:
             ValueError: B or L differ from what the forward was planned for.
@@ -139,6 +148,8 @@ class PagedLayerCache(AttendingCache):
         self._new = pool_rows.encode(self.spec.fmt, keys, values)
         pools = (self.storage if self.tail is None else self.tail).pools
         pools[self.layer] = pool_rows.write(pools[self.layer], index.write_rows, self._new, index.write_source)
+        if self.spec.latent:
+            return latent_operands(self._ref(), self._history(), None if index.num_new == 1 else self._new, keys.dtype)
         return keys, values
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -149,20 +160,34 @@ class PagedLayerCache(AttendingCache):
         """
         if N != self.index.num_new:
             raise ValueError(f"planned {self.index.num_new} queries per row, asked for {N}")
+        if self.spec.latent:  # [B, 1, L, T] of what update_and_fetch will return
+            history = self._history()
+            return latent_mask(history, history.num_slots(self.storage.page_size), self.index.query_positions,
+                               self.spec.rule)
         return None if N == 1 else "causal"
 
     def attend(self, queries, keys, values, *, scale: float, mask, sinks=None) -> mx.array:
-        """Attention of queries [B, n_heads, L, head_dim] over the rows' slots; `mask` is ignored."""
+        """Attention of queries [B, n_heads, L, Dk] over the rows' slots; `mask` is ignored (latent: used)."""
         index, spec = self.index, self.spec
-        ref = self.storage.ref(self.layer, spec.fmt)
-        if self.tail is not None:
-            ref = PoolRef(spec.fmt, ref.pools, ref.n_kv_heads, ref.page_size, self.tail.pools[self.layer])
+        if spec.latent:  # keys and values are what the model derived from update_and_fetch's slots
+            return contiguous_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        ref = self._ref()
         if index.num_new == 1:
             return decode_attention(queries, ref, index.page_table, index.lengths, scale=scale, sinks=sinks)
-        if index.read_first:
-            history = History(index.lengths, rows=self.prefetched, positions=index.positions)
-        else:
-            history = History(index.lengths, index.page_table, positions=index.positions)
+        history = self._history()
         new_k, new_v = spec.fmt.decode(self._new)
         return prefill_attention(queries, ref, history, new_k, new_v, index.query_positions, window=spec.rule,
                                  scale=scale, sinks=sinks)
+
+    def _ref(self) -> PoolRef:
+        ref = self.storage.ref(self.layer, self.spec.fmt)
+        if self.tail is None:
+            return ref
+        return PoolRef(self.spec.fmt, ref.pools, ref.n_kv_heads, ref.page_size, self.tail.pools[self.layer])
+
+    def _history(self) -> History:
+        """The stored slots the forward reads (decode: every live slot; a chunk: those before it)."""
+        index = self.index
+        if index.read_first:
+            return History(index.lengths, rows=self.prefetched, positions=index.positions)
+        return History(index.lengths, index.page_table, positions=index.positions)

@@ -2,12 +2,16 @@
 
 Format (`FORMAT`, version `VERSION`). Tensor `layers.{i}.{j}` is the j-th array of layer i's
 `state` (for `KVCache`: its pools' rows [B, n_kv_heads, T, width], T the live slots, or the
-whole ring once a window has wrapped; `kernels.kv_format` describes a row).
+whole ring once a window has wrapped; `kernels.kv_format` describes a row; for
+`RecurrentStateCache`: its state arrays [B, ...]). A `CacheGroup` at index i stores its
+members as `layers.{i}.{m}.{j}`.
 The safetensors header metadata holds three strings: `format`, `version`, and `caches`, a
 JSON list with one entry per layer, `{"class", "meta_state", "num_arrays", "present"}`
-(`present` marks which `state` entries were not `None`), plus `metadata`, the caller's
+(`present` marks which `state` entries were not `None`; a group's entry is
+`{"class": "CacheGroup", "members": [entry, ...]}`), plus `metadata`, the caller's
 JSON-serialisable dict. `meta_state` carries everything the cache and its codecs are rebuilt
-from: offset, context cap, window, head_dim, and each part's `meta()` under `key_`/`value_` prefixes,
+from: offset, context cap, window, key and value widths, whether the layer is latent (MLA),
+and each part's `meta()` under `key_`/`value_` prefixes,
 AURA rotation seeds included, so codes written by one process decode the same in another.
 
 Source: safetensors format (https://github.com/huggingface/safetensors); MLX
@@ -22,7 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .kv import KVCache
-from .recurrent import RecurrentStateCache
+from .recurrent import CacheGroup, RecurrentStateCache
 from .schemes import part_from_meta
 from .window import Window
 
@@ -36,7 +40,7 @@ def save_caches(path: str | Path, caches: list, metadata: dict | None = None) ->
 
     Args:
         path (str | Path): Target file; `.safetensors` is appended when missing.
-        caches (list): Per-layer `KVCache` / `RecurrentStateCache` objects (not mutated).
+        caches (list): Per-layer `KVCache` / `RecurrentStateCache` / `CacheGroup` objects (not mutated).
         metadata (dict | None): Caller data stored beside (must be JSON-serialisable).
 
     Returns:
@@ -47,15 +51,8 @@ def save_caches(path: str | Path, caches: list, metadata: dict | None = None) ->
     """
     path = Path(path)
     path = path if path.suffix == ".safetensors" else path.with_name(path.name + ".safetensors")
-    arrays, entries = {}, []
-    for layer, cache in enumerate(caches):
-        if not isinstance(cache, (KVCache, RecurrentStateCache)):
-            raise ValueError(f"layer {layer}: cannot save a {type(cache).__name__}")
-        state = list(cache.state)
-        present = [a is not None for a in state]
-        arrays |= {f"layers.{layer}.{j}": a for j, a in enumerate(state) if a is not None}
-        entries.append({"class": type(cache).__name__, "meta_state": cache.meta_state,
-                        "num_arrays": len(state), "present": present})
+    arrays = {}
+    entries = [_describe(cache, f"layers.{layer}", arrays) for layer, cache in enumerate(caches)]
     header = {"format": FORMAT, "version": VERSION, "caches": json.dumps(entries),
               "metadata": json.dumps(metadata or {})}
     mx.save_safetensors(str(path), arrays, metadata=header)
@@ -80,14 +77,28 @@ def load_caches(path: str | Path) -> tuple[list, dict]:
     if header.get("format") != FORMAT or header.get("version") != VERSION:
         raise ValueError(f"{path}: not a {FORMAT} v{VERSION} file (header {header.get('format')!r} "
                          f"v{header.get('version')!r})")
-    caches = []
-    for layer, entry in enumerate(json.loads(header["caches"])):
-        state = [arrays[f"layers.{layer}.{j}"] if present else None for j, present in enumerate(entry["present"])]
-        caches.append(_rebuild(entry["class"], entry["meta_state"], state))
+    caches = [_rebuild(entry, f"layers.{layer}", arrays) for layer, entry in enumerate(json.loads(header["caches"]))]
     return caches, json.loads(header["metadata"])
 
 
-def _rebuild(kind: str, meta: dict[str, str], state: list):
+def _describe(cache, name: str, arrays: dict) -> dict:
+    """The header entry of one cache; its arrays go into `arrays` under `name`."""
+    if isinstance(cache, CacheGroup):
+        return {"class": "CacheGroup", "members": [_describe(c, f"{name}.{m}", arrays) for m, c in enumerate(cache.caches)]}
+    if not isinstance(cache, (KVCache, RecurrentStateCache)):
+        raise ValueError(f"{name}: cannot save a {type(cache).__name__}")
+    state = list(cache.state)
+    arrays |= {f"{name}.{j}": a for j, a in enumerate(state) if a is not None}
+    return {"class": type(cache).__name__, "meta_state": cache.meta_state, "num_arrays": len(state),
+            "present": [a is not None for a in state]}
+
+
+def _rebuild(entry: dict, name: str, arrays: dict):
+    kind = entry["class"]
+    if kind == "CacheGroup":
+        return CacheGroup(*(_rebuild(e, f"{name}.{m}", arrays) for m, e in enumerate(entry["members"])))
+    state = [arrays[f"{name}.{j}"] if present else None for j, present in enumerate(entry["present"])]
+    meta = entry["meta_state"]
     if kind == "KVCache":
         return _rebuild_kv(meta, state)
     if kind == "RecurrentStateCache":
@@ -104,8 +115,10 @@ def _rebuild_kv(meta: dict[str, str], state: list) -> KVCache:
         window = Window(int(meta["window_max_size"]), int(meta["window_keep"]))
     cache = KVCache(key, value, max_tokens=int(meta["max_tokens"]), window=window)
     cache.state, cache.offset = state, int(meta["offset"])
-    if "head_dim" in meta:
-        cache.restore_format(int(meta["head_dim"]))
+    if "key_dim" in meta:
+        cache.restore_format(int(meta["key_dim"]), int(meta["value_dim"]), latent=meta.get("latent") == "1")
+    elif "head_dim" in meta:  # written before keys and values could differ in width
+        cache.restore_format(int(meta["head_dim"]), int(meta["head_dim"]))
     return cache
 
 

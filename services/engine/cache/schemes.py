@@ -91,9 +91,13 @@ def layer_parts(scheme: str, *, layer: int, dtype: mx.Dtype) -> Parts:
     return _single(overrides.get(layer, base), layer=layer, dtype=dtype)
 
 
-def layer_format(scheme: str, *, layer: int, dtype: mx.Dtype, head_dim: int) -> LayerFormat:
-    """`layer_parts` as a `LayerFormat` for `head_dim` (raises ValueError if it cannot store it)."""
-    return LayerFormat(*layer_parts(scheme, layer=layer, dtype=dtype), head_dim)
+def layer_format(scheme: str, *, layer: int, dtype: mx.Dtype, head_dim: int, value_dim: int = 0) -> LayerFormat:
+    """`layer_parts` as a `LayerFormat` for keys of `head_dim` and values of `value_dim` (0: the same).
+
+    Raises:
+        ValueError: as `layer_parts`, or the parts cannot store those widths.
+    """
+    return LayerFormat(*layer_parts(scheme, layer=layer, dtype=dtype), head_dim, value_dim)
 
 
 def parse_layer_overrides(scheme: str) -> tuple[str, dict[int, str]]:
@@ -138,11 +142,8 @@ def bytes_per_token(scheme: str, *, model) -> int:
     from .batched import layer_specs
     from .factory import CacheOptions
 
-    cfg = model.args
-    n_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return sum(LayerFormat(k, v, head_dim).bytes_per_row * n_kv_heads
-               for k, v, _ in layer_specs(model, CacheOptions(scheme=scheme)))
+    return sum(LayerFormat(k, v, g.key_dim, g.value_dim).bytes_per_row * g.n_kv_heads
+               for k, v, _, g in layer_specs(model, CacheOptions(scheme=scheme)))
 
 
 def part_from_meta(meta: dict[str, str]) -> PartFormat:

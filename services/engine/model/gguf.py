@@ -6,7 +6,13 @@ HF/mlx-lm names), `tokenizer.json`, `tokenizer_config.json`,
 Families (llama, gemma3) live in `gguf_arch`, file reading in `gguf_read`, and
 SentencePiece vocabularies in `gguf_spm`; byte-level BPE vocabularies are built here.
 
-Sources: GGUF metadata keys and token types, llama.cpp `gguf-py/gguf/constants.py`.
+Sources:
+- GGUF metadata keys and token types: llama.cpp `gguf-py/gguf/constants.py`.
+- Tokenizer settings that change encoding or stopping (llama.cpp `llama-vocab.cpp`): the
+  end-of-generation tokens (`eos`, `eot`, `eom` ids) all stop generation (`eos_token_id` is
+  written as their list); `add_bos_token` / `add_eos_token` wrap every encoding in BOS / EOS.
+  llama.cpp ignores `add_space_prefix` and `remove_extra_whitespaces` for byte-level BPE, so
+  do we; `add_sep_token` is refused, as is any other encoding setting this file cannot carry.
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ from shared.errors import BadRequest, ModelNotFound
 
 from .gguf_arch import Family, family
 from .gguf_read import GGUFContents, read_gguf
-from .gguf_spm import adds_bos, sentencepiece_tokenizer
+from .gguf_spm import sentencepiece_tokenizer
 
-FORMAT_VERSION = 1  # bump when the written folder changes; cached conversions are keyed on it
+FORMAT_VERSION = 3  # bump when the written folder changes; cached conversions are keyed on it
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _TOKEN_CONTROL = 3  # llama.cpp TokenType.CONTROL: special tokens such as <|im_end|>
 _TOKEN_USER_DEFINED = 4  # llama.cpp TokenType.USER_DEFINED: added, non-special tokens
@@ -102,6 +108,9 @@ def convert_gguf(
     contents = read_gguf(gguf_path)
     arch = family(contents.architecture)
     config = arch.config(contents.meta, contents.tensor_names) | {"torch_dtype": dtype} | _special_ids(contents.meta)
+    stops = _stop_token_ids(contents.meta, arch)
+    if len(stops) > 1:  # our loaders read the stop ids from config.json, mlx-lm from generation_config.json
+        config["eos_token_id"] = stops
     tokenizer_files = _tokenizer_files(contents.meta, config, arch)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists")
@@ -157,12 +166,35 @@ def _special_ids(meta: dict[str, Any]) -> dict[str, int]:
 
 
 def _stop_token_ids(meta: dict[str, Any], arch: Family) -> list[int]:
-    """EOS, then the end-of-turn token: `tokenizer.ggml.eot_token_id`, else the family's named one."""
-    tokens, ids = meta["tokenizer.ggml.tokens"], [meta["tokenizer.ggml.eos_token_id"]]
+    """Every end-of-generation token id: EOS, end of turn (EOT; else the family's named one), end of message (EOM)."""
+    tokens = meta["tokenizer.ggml.tokens"]
     eot = meta.get("tokenizer.ggml.eot_token_id")
     if eot is None and arch.end_of_turn in tokens:
         eot = tokens.index(arch.end_of_turn)
-    return ids + [eot] if eot is not None and eot not in ids else ids
+    ids = [meta.get("tokenizer.ggml.eos_token_id"), eot, meta.get("tokenizer.ggml.eom_token_id")]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _encoding_flags(meta: dict[str, Any], *, bos_default: bool) -> tuple[bool, bool]:
+    """(add BOS, add EOS) to every encoding with special tokens.
+
+    Args:
+        bos_default (bool): llama.cpp's default when the file does not say (SentencePiece: True).
+
+    Raises:
+        ModelNotFound: `add_sep_token` is set, or BOS/EOS is to be added without its id.
+    """
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", bos_default))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    if meta.get("tokenizer.ggml.add_sep_token", False):
+        raise ModelNotFound("GGUF tokenizer.ggml.add_sep_token is not supported by this importer")
+    if add_eos and "tokenizer.ggml.eos_token_id" not in meta:
+        raise ModelNotFound("GGUF add_eos_token is set but tokenizer.ggml.eos_token_id is missing")
+    if add_bos and "tokenizer.ggml.bos_token_id" not in meta:
+        if not bos_default or "tokenizer.ggml.add_bos_token" in meta:
+            raise ModelNotFound("GGUF add_bos_token is set but tokenizer.ggml.bos_token_id is missing")
+        add_bos = False
+    return add_bos, add_eos
 
 
 def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any], arch: Family) -> dict[str, dict[str, Any] | str]:
@@ -174,11 +206,15 @@ def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any], arch: Family)
     """
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
     if kind == "llama":
-        tokenizer, add_bos = sentencepiece_tokenizer(meta, arch.name), adds_bos(meta)
+        add_bos, add_eos = _encoding_flags(meta, bos_default=True)
+        if add_eos:
+            raise ModelNotFound("GGUF add_eos_token is not supported for SentencePiece vocabularies by this importer")
+        tokenizer = sentencepiece_tokenizer(meta, arch.name)
     elif kind == "gpt2":
         if pre not in _PRE_TOKENIZERS:
             raise ModelNotFound(f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(_PRE_TOKENIZERS)}")
-        tokenizer, add_bos = _build_tokenizer(meta, _PRE_TOKENIZERS[pre]()), False
+        add_bos, add_eos = _encoding_flags(meta, bos_default=False)
+        tokenizer = _build_tokenizer(meta, _PRE_TOKENIZERS[pre](), add_bos, add_eos)
     else:
         raise ModelNotFound(f"GGUF tokenizer model {kind!r} is not supported; only 'gpt2' (byte-level BPE) "
                             "and 'llama' (SentencePiece) are")
@@ -190,7 +226,7 @@ def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any], arch: Family)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": add_bos,
-        "add_eos_token": False,
+        "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
         "model_max_length": config["max_position_embeddings"],
         "chat_template": meta.get("tokenizer.chat_template") or arch.chat_template,
@@ -206,11 +242,14 @@ def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any], arch: Family)
     }
 
 
-def _build_tokenizer(meta: dict[str, Any], pre_tokenizer: pre_tokenizers.PreTokenizer) -> Tokenizer:
+def _build_tokenizer(
+    meta: dict[str, Any], pre_tokenizer: pre_tokenizers.PreTokenizer, add_bos: bool = False, add_eos: bool = False
+) -> Tokenizer:
     """A HF byte-level BPE tokenizer from `tokenizer.ggml.tokens` (id order) and `.merges` ("a b").
 
     Control tokens (type 3) become special added tokens, user-defined ones (type 4)
-    plain added tokens; both are matched verbatim before BPE.
+    plain added tokens; both are matched verbatim before BPE. With `add_bos` / `add_eos`,
+    an encoding with special tokens starts with BOS / ends with EOS.
     """
     tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
@@ -218,11 +257,33 @@ def _build_tokenizer(meta: dict[str, Any], pre_tokenizer: pre_tokenizers.PreToke
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.post_processor = _post_processor(meta, add_bos, add_eos)
     types = np.array(meta["tokenizer.ggml.token_type"])
     tok.add_special_tokens(_added_tokens(tokens, types, _TOKEN_CONTROL, special=True))
     tok.add_tokens(_added_tokens(tokens, types, _TOKEN_USER_DEFINED, special=False))
     return tok
+
+
+def _post_processor(meta: dict[str, Any], add_bos: bool, add_eos: bool) -> processors.PostProcessor:
+    """Byte-level offsets, plus BOS/EOS around each sequence when the GGUF asks for them."""
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    if not (add_bos or add_eos):
+        return byte_level
+    tokens = meta["tokenizer.ggml.tokens"]
+    specials = []
+    bos = eos = ""
+    if add_bos:
+        bos_id = meta["tokenizer.ggml.bos_token_id"]
+        specials.append((tokens[bos_id], bos_id))
+        bos = f"{tokens[bos_id]}:0 "
+    if add_eos:
+        eos_id = meta["tokenizer.ggml.eos_token_id"]
+        specials.append((tokens[eos_id], eos_id))
+        eos = f" {tokens[eos_id]}:0"
+    template = processors.TemplateProcessing(
+        single=f"{bos}$A:0{eos}", pair=f"{bos}$A:0{eos} {bos}$B:1{eos}", special_tokens=list(dict.fromkeys(specials))
+    )
+    return processors.Sequence([byte_level, template])
 
 
 def _added_tokens(tokens: list[str], types: np.ndarray, token_type: int, *, special: bool) -> list[AddedToken]:

@@ -9,6 +9,8 @@ is ever contacted.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib
 import importlib.util
@@ -137,14 +139,34 @@ def _converted(gguf_path: Path, name: str, dtype: str | None) -> Path:
 
 
 def _converted_lazily(gguf_path: Callable[[], Path], name: str, dtype: str | None) -> Path:
-    """As `_converted`, asking `gguf_path()` for the file only when a conversion is needed."""
+    """As `_converted`, asking `gguf_path()` for the file only when a conversion is needed.
+
+    Processes starting together on one data folder (serve's children, compose services on a
+    shared volume) convert once: the first takes an exclusive lock, the others wait for it and
+    reuse its folder.
+    """
     dtype = resolve_dtype(dtype)
     out_dir = data_dir() / "models" / f"{name}-{dtype}-v{FORMAT_VERSION}"
-    if not out_dir.is_dir():
-        try:
-            convert_gguf(gguf_path(), out_dir, dtype=dtype)
-        except FileExistsError:
-            if not out_dir.is_dir():
-                raise
-            # another process published the same conversion first; folders appear only complete
+    if out_dir.is_dir():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out_dir.parent / f".{out_dir.name}.lock"):
+        if not out_dir.is_dir():
+            try:
+                convert_gguf(gguf_path(), out_dir, dtype=dtype)
+            except FileExistsError:
+                if not out_dir.is_dir():
+                    raise
+                # another process published the same conversion first; folders appear only complete
     return out_dir
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """Hold an exclusive `flock` on `lock_path` (released by the kernel if the process dies)."""
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,122 @@
+"""A `buttermilk serve` process for ops scripts: start it on loopback, find its children, stop it.
+
+    with ServeProcess.start(["--engines", "2"], log_path=Path("serve.log")) as server:
+        ... server.address, server.children() ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from shared.client import AsyncClient, ServerError
+
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+
+
+def free_tcp_address() -> str:
+    """A loopback tcp:// endpoint on a port that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def child_pids(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+async def engines_live(address: str, timeout_s: float = 2.0) -> int:
+    """How many engines the gateway at `address` counts as live (0 when it does not answer)."""
+    try:
+        async with AsyncClient(address) as client:
+            return (await client.health(timeout_s=timeout_s)).engines_live
+    except (TimeoutError, ServerError):
+        return 0
+
+
+class ServeProcess:
+    """`buttermilk serve` on a free loopback port, in its own process group.
+
+    Args:
+        proc (subprocess.Popen): the supervisor.
+        address (str): the gateway's client endpoint.
+        num_engines (int): engines it runs.
+    """
+
+    def __init__(self, proc: subprocess.Popen, address: str, num_engines: int, run_dir: Path):
+        self.proc, self.address, self.num_engines, self.run_dir = proc, address, num_engines, run_dir
+
+    @classmethod
+    def start(cls, flags: list[str], *, engines: int = 1, log_path: Path | None = None) -> ServeProcess:
+        """Start the server and wait until every engine is live.
+
+        Raises:
+            RuntimeError: it exited or did not become ready within START_TIMEOUT_S.
+        """
+        address = free_tcp_address()
+        run_dir = Path(tempfile.mkdtemp(prefix="buttermilk-ops-"))
+        argv = [sys.executable, "-m", "services.cli", "serve", "--model", "default", "--address", address,
+                "--engines", str(engines), "--run-dir", str(run_dir / "run"), *flags]  # fmt: skip
+        log = open(log_path, "wb") if log_path else subprocess.DEVNULL
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        server = cls(proc, address, engines, run_dir)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while asyncio.run(engines_live(address)) < engines:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(f"buttermilk serve did not start (status {proc.poll()})")
+            time.sleep(0.5)
+        return server
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def children(self) -> list[int]:
+        return child_pids(self.proc.pid)
+
+    def stop(self) -> int | None:
+        """SIGTERM, wait; SIGKILL the group if it does not exit. Returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        for pid in [*self.children(), self.proc.pid]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self.proc.wait()

@@ -1,0 +1,111 @@
+"""Engine side of issue 11: a session's history is cut to what its client was told (item 5), a
+request waiting for a slot has a deadline (item 1), and a stopping engine ends every request
+it accepted (item 2). The engine service is driven without sockets (frames are captured)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.engine.cache import CacheOptions, Window
+from services.engine.request import Request
+from services.engine.sampling import SamplingParams
+from services.engine.service import EngineAddresses, EngineService, Stop
+from shared import protocol as p
+from shared.errors import BadRequest, ErrorCode, Unavailable
+from tests.test_engine_core import drive, greedy, make_core, random_prompts, tiny_loaded
+
+
+def two_turns(tiny_llama, said_kept: int, *, window=None, max_tokens=8):
+    """Turn 1 generates `max_tokens`; turn 2 says the client was told only `said_kept` of them."""
+    options = CacheOptions(max_context=4096, window=window)
+    first, second = random_prompts([11, 5], seed=21)
+    core = make_core(tiny_loaded(tiny_llama), window=window)
+    said = drive(core, {0: [Request("t1", first, SamplingParams(max_tokens=max_tokens), session_id="s")]})["t1"]["tokens"]
+    turn = Request("t2", second, SamplingParams(max_tokens=6), session_id="s", session_tokens=len(first) + said_kept)
+    return core, options, first, said, second, turn
+
+
+@pytest.mark.parametrize("kept", [8, 7, 3, 0], ids=["all", "tail-cut", "kv-cut", "prompt-only"])
+def test_a_turn_continues_exactly_the_history_its_client_was_told(tiny_llama, kept):
+    core, options, first, said, second, turn = two_turns(tiny_llama, kept)
+    result = drive(core, {0: [turn]})["t2"]
+    assert result["tokens"] == greedy(tiny_llama, options, first + said[:kept] + second, 6)
+    assert result["outputs"][-1].num_prompt_tokens == len(first) + kept + len(second)
+
+
+def test_a_history_shorter_than_claimed_is_refused_and_the_session_closed(tiny_llama):
+    core, _, first, said, second, _ = two_turns(tiny_llama, 8)
+    with pytest.raises(BadRequest, match="holds 19 tokens"):
+        core.add_request(Request("t2", second, SamplingParams(), session_id="s", session_tokens=25))
+    assert core.stats().sessions == {}
+    with pytest.raises(BadRequest, match="holds 0 tokens"):  # a turn for a session the engine lost
+        core.add_request(Request("t3", second, SamplingParams(), session_id="gone", session_tokens=4))
+
+
+@pytest.mark.parametrize("kept", [7, 3], ids=["tail-cut", "kv-cut"])
+def test_a_wrapped_window_is_cut_by_computing_the_conversation_again(tiny_llama, kept):
+    window = Window(8, 2)  # 11 + 8 tokens have wrapped it: an exact K/V cut is impossible
+    core, options, first, said, second, turn = two_turns(tiny_llama, kept, window=window)
+    result = drive(core, {0: [turn]})["t2"]
+    assert result["tokens"] == greedy(tiny_llama, options, first + said[:kept] + second, 6)
+
+
+# ---- the engine service without sockets ---------------------------------------------------
+
+
+class Captured:
+    """Stands in for a PUSH socket: keeps the decoded messages sent."""
+
+    def __init__(self):
+        self.messages = []
+
+    def send(self, frame: bytes) -> None:
+        self.messages.append(p.decode(frame))
+
+
+def service(tiny_llama, **kwargs) -> EngineService:
+    core = make_core(tiny_loaded(tiny_llama), max_slots=1, step_token_budget=32)
+    geometry = p.Geometry(slots=1, capacity_tokens=2048, bytes_per_token=1, kv_cache="raw", max_context=4096)
+    hello = p.Hello(engine_id="e0", epoch=0, geometry=geometry)
+    return EngineService(core, hello, EngineAddresses("inproc://a", "inproc://b", "inproc://c"), **kwargs)
+
+
+def generate(request_id: str, max_tokens: int = 40) -> p.EngineGenerate:
+    return p.EngineGenerate(id=request_id, resv_id=f"v-{request_id}", epoch=0, token_ids=[1, 2, 3],
+                            sampling=p.SamplingParams(max_tokens=max_tokens))  # fmt: skip
+
+
+def finishes(out: Captured) -> dict[str, p.EngineFinished]:
+    return {m.id: m for m in out.messages if isinstance(m, p.EngineFinished)}
+
+
+def test_a_request_waiting_for_a_slot_past_its_deadline_ends_queue_timeout(tiny_llama):
+    svc, out, relay = service(tiny_llama, wait_timeout_s=0.0), Captured(), Captured()
+    svc._add(generate("a"), out)
+    svc._add(generate("b"), out)  # one slot: b waits
+    svc._publish(svc.core.step(), out, relay)
+    svc._expire_waiting(time.monotonic())
+    for _ in range(3):
+        svc._publish(svc.core.step(), out, relay)
+    ended = finishes(out)
+    assert list(ended) == ["b"]  # a runs on; b never got its slot
+    assert (ended["b"].reason, ended["b"].code, ended["b"].refused) == ("error", ErrorCode.QUEUE_TIMEOUT, True)
+    assert "b" not in svc.running and "a" in svc.running
+
+
+def test_a_stopping_engine_refuses_new_work_and_ends_what_it_accepted(tiny_llama):
+    svc, out, relay = service(tiny_llama), Captured(), Captured()
+    svc._add(generate("a"), out)
+    svc._add(generate("b"), out)
+    svc._publish(svc.core.step(), out, relay)
+    svc._draining = Stop(0, "test")
+    svc._add(generate("c"), out)
+    svc._fail_all(Unavailable("stopping"), out, relay)
+    ended = finishes(out)
+    assert {k: (m.reason, m.code) for k, m in ended.items()} == {
+        rid: ("error", ErrorCode.UNAVAILABLE) for rid in ("a", "b", "c")
+    }
+    assert (ended["a"].refused, ended["b"].refused, ended["c"].refused) == (False, True, True)
+    assert not svc.running and not svc.core.scheduler.requests

@@ -1,0 +1,180 @@
+"""The HTTP adapter alone: real uvicorn on loopback, a scripted stand-in for the gateway core.
+
+The stand-in answers each generate with fixed messages, so every error class (including the
+internal errors a live server cannot be made to produce on purpose) is checked for its
+status, body shape and retry headers, and a disconnect is seen to send the core a cancel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+import time
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import openai
+import pytest
+
+from services.gateway.engines import EngineTable
+from services.gateway.local import LocalClients
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.sessions import GenerationSessionPool
+from services.http.app import MAX_BODY_BYTES, HttpOptions, build_app
+from services.http.server import bind, make_server
+from shared import protocol as p
+from shared.errors import ErrorCode
+
+GEOMETRY = p.Geometry(slots=4, capacity_tokens=1000, bytes_per_token=10, kv_cache="raw", max_context=64)
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+class ScriptedPort:
+    """A gateway stand-in: `script(msg)` lists the messages the core would address to the client."""
+
+    def __init__(self, script, *, live: bool = True):
+        self.script, self.seen, self.local, self.is_serving = script, [], LocalClients(), True
+        engines = EngineTable(600.0)
+        if live:
+            engines.register(p.Hello(engine_id="e0", epoch=0, geometry=GEOMETRY), b"e0", time.monotonic())
+        self.core = SimpleNamespace(engines=engines, pool=GenerationSessionPool(1, 0, 1.0))
+
+    async def submit(self, identity: bytes, msg: p.Message) -> None:
+        self.seen.append(msg)
+        for reply in self.script(msg):
+            self.local.deliver(identity, reply.model_copy(update={"id": msg.id}))
+
+
+@contextmanager
+def serving(port: ScriptedPort, metrics: GatewayMetrics | None = None):
+    """The app on 127.0.0.1 (a free port) in a thread; yields its base URL."""
+    sock = bind("127.0.0.1:0")
+    server = make_server(build_app(port, metrics or GatewayMetrics(), HttpOptions(model_id="m")))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def api(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+def refuse(code: ErrorCode, **extra):
+    """A script answering every generate with `error {code}`."""
+    error = p.Error(code=code, message=f"refused: {code.value}", **extra)
+    return lambda msg: [error] if isinstance(msg, p.Generate) else []
+
+
+def error_of(exc: openai.APIStatusError) -> dict:
+    body = exc.response.json()
+    assert list(body) == ["error"] and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize(("code", "extra", "error_class", "status", "kind", "should_retry"), [
+    (ErrorCode.INTERNAL, {}, openai.InternalServerError, 500, "server_error", None),
+    (ErrorCode.ENGINE_FAILED, {}, openai.InternalServerError, 503, "server_error", "true"),
+    (ErrorCode.OVERLOADED, {"retry_after_ms": 250}, openai.RateLimitError, 429, "rate_limit_error", "true"),
+    (ErrorCode.QUEUE_TIMEOUT, {}, openai.RateLimitError, 429, "rate_limit_error", "true"),
+    (ErrorCode.CONTEXT_OVERFLOW, {}, openai.BadRequestError, 400, "invalid_request_error", "false"),
+])  # fmt: skip
+def test_core_errors_keep_their_status_shape_and_headers(code, extra, error_class, status, kind, should_retry):
+    with serving(ScriptedPort(refuse(code, **extra))) as url, pytest.raises(error_class) as caught:
+        api(url).chat.completions.create(**CHAT)
+    error, headers = error_of(caught.value), caught.value.response.headers
+    assert caught.value.status_code == status and error["type"] == kind
+    assert error["code"] == ("context_length_exceeded" if code == ErrorCode.CONTEXT_OVERFLOW else code.value)
+    assert error["param"] == ("messages" if code == ErrorCode.CONTEXT_OVERFLOW else None)
+    assert headers.get("x-should-retry") == should_retry
+    if "retry_after_ms" in extra:
+        assert headers["retry-after-ms"] == "250" and headers["retry-after"] == "1"
+
+
+def test_a_crash_in_the_adapter_is_a_logged_500():
+    def crash(msg):
+        raise RuntimeError("boom")
+
+    with serving(ScriptedPort(crash)) as url, pytest.raises(openai.InternalServerError) as caught:
+        api(url).completions.create(model="m", prompt="x")
+    assert caught.value.status_code == 500 and error_of(caught.value)["code"] == "internal"
+
+
+def test_no_live_engine_is_503_not_ready_and_counted():
+    metrics = GatewayMetrics()
+    with serving(ScriptedPort(refuse(ErrorCode.INTERNAL), live=False), metrics) as url:
+        with pytest.raises(openai.InternalServerError) as caught:
+            api(url).chat.completions.create(**CHAT)
+        ready = http.client.HTTPConnection(url.removeprefix("http://"))
+        ready.request("GET", "/ready")
+        assert ready.getresponse().status == 503
+    assert caught.value.status_code == 503 and error_of(caught.value)["code"] == "not_ready"
+    assert caught.value.response.headers["retry-after-ms"] == "1000"
+    sample = metrics.registry.get_sample_value
+    assert sample("buttermilk:request_received_total") == 1
+    assert sample("buttermilk:request_failure_total", {"code": "not_ready"}) == 1
+
+
+def raw(url: str, method: str, path: str, body: bytes | None = None) -> tuple[int, dict, dict]:
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=10)
+    conn.request(method, path, body=body, headers={"content-type": "application/json"})
+    resp = conn.getresponse()
+    status, headers, payload = resp.status, dict(resp.getheaders()), json.loads(resp.read())
+    conn.close()
+    return status, headers, payload
+
+
+def test_http_level_errors_are_in_openai_shape():
+    with serving(ScriptedPort(refuse(ErrorCode.INTERNAL))) as url:
+        cases = [
+            (raw(url, "POST", "/v1/chat/completions", b"{not json"), 400, "bad_request", None),
+            (raw(url, "POST", "/v1/chat/completions", b"x" * (MAX_BODY_BYTES + 1)), 413, "request_too_large", None),
+            (raw(url, "POST", "/v1/chat/completions", json.dumps({**CHAT, "n": 3}).encode()), 400, "bad_request", "n"),
+            (raw(url, "POST", "/v1/chat/completions", json.dumps({**CHAT, "model": "x"}).encode()), 404,
+             "model_not_found", "model"),
+            (raw(url, "GET", "/v1/nowhere"), 404, "not_found", None),
+            (raw(url, "GET", "/v1/chat/completions"), 405, "method_not_allowed", None),
+        ]  # fmt: skip
+        for (status, headers, body), want_status, want_code, want_param in cases:
+            assert status == want_status and headers["x-should-retry"] == "false"
+            assert body["error"]["code"] == want_code and body["error"]["param"] == want_param
+            assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_an_error_after_the_stream_started_is_an_error_event():
+    def script(msg):
+        if not isinstance(msg, p.Generate):
+            return []
+        return [p.Token(id="x", text="Hel", token_ids=[1], index=0),
+                p.Error(code=ErrorCode.ENGINE_FAILED, message="engine e0 (epoch 0) failed mid-request")]  # fmt: skip
+
+    with serving(ScriptedPort(script)) as url:
+        stream = api(url).chat.completions.create(**CHAT, stream=True)
+        with pytest.raises(openai.APIError, match="failed mid-request"):
+            for _ in stream:
+                pass
+
+
+def test_disconnect_mid_stream_sends_the_core_a_cancel():
+    port = ScriptedPort(lambda msg: [p.Token(id="x", text="Hi", token_ids=[1], index=0)]
+                        if isinstance(msg, p.Generate) else [])  # fmt: skip
+    with serving(port) as url:
+        conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=10)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({**CHAT, "stream": True}))
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+        assert resp.readline().startswith(b"data: {")  # the role chunk
+        conn.close()
+        deadline = time.monotonic() + 10
+        while not any(isinstance(m, p.Cancel) for m in port.seen) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    generate, cancel = port.seen
+    assert isinstance(cancel, p.Cancel) and cancel.id == generate.id and len(port.local) == 0
