@@ -15,6 +15,7 @@ COMMANDS = {
     "inspect": "inspect",
     "convert-gguf": "convert",
     "eval-kv": "eval_kv",
+    "calibrate-kv": "calibrate_kv",
     "serve": "serve",
     "gateway": "gateway",
     "engine": "engine",

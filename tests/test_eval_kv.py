@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from services.engine.cache import CacheOptions, make_layer_caches
-from services.eval.corpus import LEE_CORPUS, LEE_SHA256, corpus_token_ids, lee_documents, prompt_token_ids
+from services.eval.corpus import (LEE_CORPUS, LEE_SHA256, corpus_token_ids, lee_documents, prompt_token_ids,
+                                  split_halves, text_token_ids)
 from services.eval.kv_eval import EvalConfig, evaluate
 from services.eval.metrics import QualityAccumulator, greedy_tokens, kl_divergence, matching_prefix
+from services.eval.recall import recall, recall_prompts
 
 
 def test_corpus_is_the_documented_file():
@@ -84,8 +86,10 @@ def test_corpus_tokens_are_a_prefix_of_the_whole_file(default_model):
 def test_evaluate_raw_row_matches_an_uncached_forward(default_model):
     """The raw row's perplexity equals one plain forward without any cache; AURA bits are exact."""
     model, tokenizer = default_model.model, default_model.tokenizer
-    config = EvalConfig(schemes=("aura4v2",), num_tokens=48, chunk=16, num_prompts=1, prompt_tokens=8, max_new=3)
+    config = EvalConfig(schemes=("aura4v2",), num_tokens=48, chunk=16, num_prompts=1, prompt_tokens=8, max_new=3,
+                        recall_facts=1, recall_filler_tokens=16, recall_window=64, recall_max_new=4)
     raw, aura = evaluate(model, tokenizer, config)
+    assert raw.recall.full[0].matches_raw and len(aura.recall.full) == len(aura.recall.windowed) == 1
     ids = corpus_token_ids(tokenizer, 49)
     logits = model(mx.array(ids[:-1])[None])[0].astype(mx.float32)
     logprobs = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True), dtype=np.float64)
@@ -102,7 +106,8 @@ def test_evaluate_raw_row_matches_an_uncached_forward(default_model):
 def test_eval_kv_command_writes_json_table_and_plot(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "eval-kv", "--schemes", "affine8,aura4v4", "--tokens", "32",
-         "--chunk", "16", "--prompts", "1", "--max-new", "2", "--out", str(tmp_path)],
+         "--chunk", "16", "--prompts", "1", "--max-new", "2", "--recall-facts", "1", "--recall-filler", "24",
+         "--recall-window", "64", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "eval_kv.json").read_text())
@@ -110,6 +115,42 @@ def test_eval_kv_command_writes_json_table_and_plot(tmp_path):
     assert report["settings"]["num_tokens"] == 32 and report["dtype"] == "float32"
     bits = {r["scheme"]: r["bits_per_element"] for r in report["results"]}
     assert bits == {"raw": 32.0, "affine8": 8.5, "aura4v4": 4.25}
+    assert report["recall_facts"][0]["value"] == "Bartholomew" and report["results"][0]["recall"]["window_size"] == 64
     table = (tmp_path / "eval_kv.md").read_text()
-    assert table.count("\n") == 5 and "| aura4v4 | 4.25 |" in table and table in proc.stdout
+    assert table.count("\n") == 5 + 1 + 7 and "| aura4v4 | 4.25 |" in table and table in proc.stdout
+    assert "recall = raw (full; window) |" in table and "| raw | Bartholomew. | Bartholomew. |" in table
     assert (tmp_path / "eval_kv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.model
+def test_recall_prompt_layout(default_model):
+    """Statement, then exactly the corpus's second-half tokens as filler, then question and answer prefix."""
+    tokenizer = default_model.tokenizer
+    filler = text_token_ids(tokenizer, split_halves(LEE_CORPUS.read_text(encoding="utf-8"))[1], 40)
+    for prompt in recall_prompts(tokenizer, 3, 40):
+        head = tokenizer.decode(prompt.token_ids[: prompt.fact_tokens])
+        assert head.endswith(prompt.fact.statement + "\n\n") and "<|im_start|>user" in head
+        assert prompt.token_ids[prompt.fact_tokens : prompt.fact_tokens + 40] == filler
+        tail = tokenizer.decode(prompt.token_ids[prompt.fact_tokens + 40 :])
+        assert tail == f"\n\n{prompt.fact.question}<|im_end|>\n<|im_start|>assistant\n{prompt.fact.answer_prefix}"
+    with pytest.raises(ValueError, match="recall facts must be 1..3"):
+        recall_prompts(tokenizer, 4, 40)
+
+
+@pytest.mark.model
+def test_recall_answers_against_raw(default_model):
+    model, tokenizer = default_model.model, default_model.tokenizer
+    prompts = recall_prompts(tokenizer, 1, 48)
+    window = prompts[0].fact_tokens + 24
+    assert len(prompts[0].token_ids) > window + 40  # the window evicts most of the filler
+    raw = recall(model, tokenizer, prompts, "raw", window_size=window, max_new=6, chunk=64)
+    answer = raw.full[0]
+    assert answer.matches_raw and answer.recalled and answer.text.strip().startswith("Bartholomew")
+    assert not set(answer.token_ids) & set(tokenizer.eos_token_ids)  # cut before EOS
+    aura = recall(model, tokenizer, prompts, "aura2v2", window_size=window, max_new=6, chunk=64,
+                  raw_answers=[answer.token_ids])
+    for got in (aura.full[0], aura.windowed[0], raw.windowed[0]):
+        assert got.matches_raw == (got.token_ids == answer.token_ids)
+        assert got.recalled == ("bartholomew" in got.text.lower())
+    with pytest.raises(ValueError, match="must exceed the"):
+        recall(model, tokenizer, prompts, "raw", window_size=prompts[0].fact_tokens, max_new=6, chunk=64)

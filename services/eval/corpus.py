@@ -16,21 +16,31 @@ def lee_documents() -> list[str]:
 
 
 def corpus_token_ids(tokenizer, num_tokens: int) -> list[int]:
-    """The first `num_tokens` tokens of the corpus text (no special tokens added).
-
-    Args:
-        tokenizer: The model's tokenizer (`encode(text, add_special_tokens=...)`).
-        num_tokens (int): Tokens wanted.
-
-    Returns:
-        list[int]: Token ids of the file's text, cut to `num_tokens`. Only a prefix of the
-        text is encoded, `_MARGIN_TOKENS` past the cut, so the kept tokens equal those of
-        encoding the whole file (byte-level BPE never merges across that many tokens).
+    """The first `num_tokens` tokens of the Lee corpus (no special tokens added).
 
     Raises:
         ValueError: the corpus has fewer than `num_tokens` tokens.
     """
-    text = LEE_CORPUS.read_text(encoding="utf-8")
+    return text_token_ids(tokenizer, LEE_CORPUS.read_text(encoding="utf-8"), num_tokens, what="the Lee corpus")
+
+
+def text_token_ids(tokenizer, text: str, num_tokens: int, *, what: str = "the text") -> list[int]:
+    """The first `num_tokens` tokens of `text` (no special tokens added).
+
+    Args:
+        tokenizer: The model's tokenizer (`encode(text, add_special_tokens=...)`).
+        text (str): Any text.
+        num_tokens (int): Tokens wanted.
+        what (str): How the error message names the text.
+
+    Returns:
+        list[int]: Token ids of the text, cut to `num_tokens`. Only a prefix of the text is
+        encoded, `_MARGIN_TOKENS` past the cut, so the kept tokens equal those of encoding
+        the whole text (byte-level BPE never merges across that many tokens).
+
+    Raises:
+        ValueError: the text has fewer than `num_tokens` tokens.
+    """
     chars = _CHARS_PER_TOKEN * (num_tokens + _MARGIN_TOKENS)
     while True:
         ids = list(tokenizer.encode(text[:chars], add_special_tokens=False))
@@ -38,8 +48,26 @@ def corpus_token_ids(tokenizer, num_tokens: int) -> list[int]:
             break
         chars *= 2
     if len(ids) < num_tokens:
-        raise ValueError(f"the Lee corpus has {len(ids)} tokens, fewer than the {num_tokens} asked for")
+        raise ValueError(f"{what} has {len(ids)} tokens, fewer than the {num_tokens} asked for")
     return ids[:num_tokens]
+
+
+def split_halves(text: str) -> tuple[str, str]:
+    """Cut a text in two at the line break nearest its middle character.
+
+    The Lee corpus (one document per line) splits into its first and last 150 documents.
+    A text without a line break is cut at its middle character.
+
+    Returns:
+        tuple[str, str]: The first half and the second (the line break itself dropped).
+    """
+    middle = len(text) // 2
+    before, after = text.rfind("\n", 0, middle + 1), text.find("\n", middle)
+    candidates = [i for i in (before, after) if i > 0]
+    if not candidates:
+        return text[:middle], text[middle:]
+    cut = min(candidates, key=lambda i: abs(i - middle))
+    return text[:cut], text[cut + 1 :]
 
 
 def prompt_token_ids(tokenizer, num_prompts: int, prompt_tokens: int) -> list[list[int]]:

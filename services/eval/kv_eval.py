@@ -12,6 +12,7 @@ from services.engine.cache.report import bits_per_element
 
 from .corpus import corpus_token_ids, prompt_token_ids
 from .metrics import Quality, QualityAccumulator, greedy_tokens, logprob_chunks, matching_prefix
+from .recall import RecallPrompt, RecallResult, check_window, recall, recall_prompts
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,10 @@ class EvalConfig:
     prompt_tokens: int = 32  # tokens per prompt
     max_new: int = 48  # most greedy tokens per prompt
     raw_layers: frozenset[int] = field(default_factory=frozenset)  # layers kept raw in every scheme
+    recall_facts: int = 3  # prompt-recall facts (0: no recall check)
+    recall_filler_tokens: int = 1500  # filler between a fact and its question (tokens)
+    recall_window: int = 256  # window of the windowed recall answers (tokens, sinks included)
+    recall_max_new: int = 8  # most answer tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +42,7 @@ class SchemeResult:
     quality: Quality  # teacher-forced
     perplexity_change: float  # relative to raw: ppl / ppl_raw - 1
     divergence_tokens: tuple[int, ...]  # per prompt: greedy tokens equal to raw's before the first difference
+    recall: RecallResult | None  # prompt-recall answers (None when the check is off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +54,15 @@ class Reference:
     logprobs: list[np.ndarray]  # raw cache, per chunk: float32 [chunk, vocab]
     prompts: list[list[int]]  # free-running prompts
     greedy: list[list[int]]  # raw cache's greedy continuation of each prompt
+    recall_prompts: list[RecallPrompt]  # empty when the recall check is off
+    recall: RecallResult | None  # the raw cache's recall answers
 
 
 def evaluate(model: nn.Module, tokenizer, config: EvalConfig) -> list[SchemeResult]:
     """Run the raw cache, then every scheme, over the same corpus tokens and prompts.
+
+    Per scheme: teacher-forced quality and size, free-running agreement, and (unless
+    `config.recall_facts` is 0) the prompt-recall answers, full and windowed (`recall.py`).
 
     Args:
         model (nn.Module): mlx-lm model (the default model for the acceptance numbers).
@@ -67,22 +78,25 @@ def evaluate(model: nn.Module, tokenizer, config: EvalConfig) -> list[SchemeResu
     reference = raw_reference(model, tokenizer, config)
     raw_bits = 8.0 * model_dtype(model).size
     raw = SchemeResult("raw", raw_bits, 1.0, score_chunks(reference.logprobs, reference.logprobs, reference.targets),
-                       0.0, tuple(len(g) for g in reference.greedy))
+                       0.0, tuple(len(g) for g in reference.greedy), reference.recall)
     schemes = [s for s in config.schemes if s != "raw"]
-    return [raw] + [scheme_result(model, scheme, config, reference, raw) for scheme in schemes]
+    return [raw] + [scheme_result(model, tokenizer, scheme, config, reference, raw) for scheme in schemes]
 
 
 def raw_reference(model: nn.Module, tokenizer, config: EvalConfig) -> Reference:
     """Teacher-forced log-probabilities and greedy continuations of the raw cache."""
+    facts = recall_prompts(tokenizer, config.recall_facts, config.recall_filler_tokens) if config.recall_facts else []
+    check_window(facts, config.recall_window)
     ids = corpus_token_ids(tokenizer, config.num_tokens + 1)
     prompts = prompt_token_ids(tokenizer, config.num_prompts, config.prompt_tokens)
     logprobs = list(logprob_chunks(model, _caches(model, "raw", config), ids[:-1], chunk=config.chunk))
     greedy = [greedy_tokens(model, _caches(model, "raw", config), p, max_new=config.max_new, chunk=config.chunk)
               for p in prompts]
-    return Reference(ids[:-1], np.array(ids[1:]), logprobs, prompts, greedy)
+    raw_recall = _recall(model, tokenizer, "raw", config, facts, None)
+    return Reference(ids[:-1], np.array(ids[1:]), logprobs, prompts, greedy, facts, raw_recall)
 
 
-def scheme_result(model: nn.Module, scheme: str, config: EvalConfig, reference: Reference,
+def scheme_result(model: nn.Module, tokenizer, scheme: str, config: EvalConfig, reference: Reference,
                   raw: SchemeResult) -> SchemeResult:
     """Teacher-forced quality, size and free-running agreement of one scheme against `reference`."""
     caches = _caches(model, scheme, config)
@@ -93,7 +107,17 @@ def scheme_result(model: nn.Module, scheme: str, config: EvalConfig, reference: 
                           follow=greedy) for prompt, greedy in zip(reference.prompts, reference.greedy)]
     return SchemeResult(scheme, bits, bits / raw.bits_per_element, quality,
                         quality.perplexity / raw.quality.perplexity - 1.0,
-                        tuple(matching_prefix(g, r) for g, r in zip(reference.greedy, runs)))
+                        tuple(matching_prefix(g, r) for g, r in zip(reference.greedy, runs)),
+                        _recall(model, tokenizer, scheme, config, reference.recall_prompts, reference.recall))
+
+
+def _recall(model: nn.Module, tokenizer, scheme: str, config: EvalConfig, prompts: list[RecallPrompt],
+            raw: RecallResult | None) -> RecallResult | None:
+    if not prompts:
+        return None
+    raw_answers = None if raw is None else [a.token_ids for a in raw.full]
+    return recall(model, tokenizer, prompts, scheme, window_size=config.recall_window, max_new=config.recall_max_new,
+                  chunk=config.chunk, raw_layers=config.raw_layers, raw_answers=raw_answers)
 
 
 def score_chunks(chunks, reference: list[np.ndarray], targets: np.ndarray) -> Quality:

@@ -131,3 +131,26 @@ def matching_prefix(reference: list[int], tokens: list[int]) -> int:
         if a != b:
             return i
     return min(len(reference), len(tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class KLReference:
+    """A chunk of the raw cache's distributions, prepared so each `KL(p || q)` is one dot product.
+
+    `KL(p || q) = sum_v p_v log p_v - sum_v p_v log q_v`: the first sum is computed once, so
+    scoring a scheme costs a row-wise float64 dot product instead of an `exp` over the vocabulary
+    (about 40x less time on the default model's 49,152 tokens).
+    """
+
+    probs: np.ndarray  # float32 [n, vocab], p = exp(log p)
+    neg_entropy: np.ndarray  # float64 [n], sum_v p_v log p_v with the same float32 p (nats)
+
+    @classmethod
+    def from_logprobs(cls, reference: np.ndarray) -> "KLReference":
+        """Prepare from the raw cache's float32 [n, vocab] log-probabilities."""
+        probs = np.exp(reference)
+        return cls(probs, np.einsum("ij,ij->i", probs, reference, dtype=np.float64))
+
+    def kl(self, logprobs: np.ndarray) -> np.ndarray:
+        """`KL(p || q)` per row, float64 nats, from the scheme's [n, vocab] `log q`."""
+        return self.neg_entropy - np.einsum("ij,ij->i", self.probs, logprobs, dtype=np.float64)

@@ -1,0 +1,177 @@
+"""Calibrate per-layer K/V widths on one half of a text and measure them on the other (`calibrate-kv`).
+
+1. Split the text at its middle line (`corpus.split_halves`): the first half calibrates, the
+   second is held out.
+2. Measure each layer's sensitivity on the first `calibration_tokens` of the first half.
+3. Per budget, allocate widths (`allocate.allocate`) and measure the resulting spec: mean KL on
+   the calibration tokens (the additive model's own error) and on the first `heldout_tokens`
+   of the second half, next to the uniform reference schemes on the same held-out tokens.
+   Every affine reference also adds its own bits/element as a budget, so each calibrated
+   allocation can be compared with affine at equal bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from services.engine.cache import CacheOptions, make_layer_caches
+from services.engine.cache.report import bits_per_element
+
+from .allocate import Allocation, allocate
+from .corpus import split_halves, text_token_ids
+from .kv_eval import score_chunks
+from .metrics import KLReference, Quality, logprob_chunks
+from .sensitivity import WIDTHS, Sensitivity, attention_layers, measure_sensitivity
+
+DEFAULT_BUDGETS = (3.25, 4.25, 6.25, 8.25)  # bits/element of aura4v2, aura4v4, aura8v4, aura8v8
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationConfig:
+    """Budgets, reference schemes and token counts of one calibration."""
+
+    budgets: tuple[float, ...] = DEFAULT_BUDGETS  # target average bits per K/V element
+    reference_schemes: tuple[str, ...] = ()  # uniform schemes measured on the held-out half
+    calibration_tokens: int = 512  # from the first half (tokens)
+    heldout_tokens: int = 2048  # from the second half (tokens)
+    chunk: int = 256  # tokens per forward
+    widths: tuple[int, ...] = WIDTHS  # candidate AURA widths (bits)
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """One scheme spec on the held-out tokens, against the raw cache there."""
+
+    scheme: str
+    bits_per_element: float  # stored bits per K/V element over all layers, metadata included
+    quality: Quality
+    perplexity_change: float  # ppl / ppl_raw - 1
+
+
+@dataclass(frozen=True, slots=True)
+class CalibratedPoint:
+    """One budget's allocation and what it measured."""
+
+    allocation: Allocation
+    calibration_kl: float  # mean KL on the calibration tokens (nats per token)
+    heldout: Measured
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """Everything `calibrate` measured."""
+
+    sensitivity: Sensitivity
+    overhead_bits: float  # AURA metadata per element (bits)
+    references: list[Measured]  # raw first, then the reference schemes
+    points: list[CalibratedPoint]  # by budget, ascending
+
+
+@dataclass(frozen=True, slots=True)
+class _Split:
+    calibration: list[int]  # tokens from the first half
+    heldout: list[int]  # num_heldout + 1 tokens from the second half (the last is only a target)
+
+
+def calibrate(
+    model: nn.Module, tokenizer, text: str, config: CalibrationConfig, *,
+    sensitivity: Sensitivity | None = None, on_run: Callable[[str], None] | None = None,
+) -> Calibration:
+    """Measure sensitivities (unless given), allocate every budget, measure everything held out.
+
+    Args:
+        model (nn.Module): mlx-lm model.
+        tokenizer: Its tokenizer.
+        text (str): Calibration text (UTF-8 decoded); split in halves.
+        config (CalibrationConfig): Budgets, references and sizes.
+        sensitivity (Sensitivity | None): A table measured before on the same text and model.
+        on_run (Callable[[str], None] | None): Called with each scheme spec after its run.
+
+    Returns:
+        Calibration: Its points sorted by budget.
+
+    Raises:
+        ValueError: a half too short for its token count, a budget below the narrowest
+            allocation, or a bad reference scheme.
+    """
+    overhead = check_config(model, config)
+    split = _split(tokenizer, text, config)
+    if sensitivity is None:
+        sensitivity = measure_sensitivity(model, split.calibration, chunk=config.chunk, widths=config.widths,
+                                          on_run=on_run)
+    elif sensitivity.layers != attention_layers(model):
+        raise ValueError(f"the sensitivity table covers layers {list(sensitivity.layers)}, not this model's")
+    heldout_ids, targets = split.heldout[:-1], np.array(split.heldout[1:])
+    raw_caches = _caches(model, "raw", len(heldout_ids))
+    raw_logprobs = list(logprob_chunks(model, raw_caches, heldout_ids, chunk=config.chunk))
+    raw = Measured("raw", bits_per_element(raw_caches), score_chunks(raw_logprobs, raw_logprobs, targets), 0.0)
+
+    def heldout(scheme: str) -> Measured:
+        caches = _caches(model, scheme, len(heldout_ids))
+        quality = score_chunks(logprob_chunks(model, caches, heldout_ids, chunk=config.chunk), raw_logprobs, targets)
+        if on_run is not None:
+            on_run(scheme)
+        return Measured(scheme, bits_per_element(caches), quality, quality.perplexity / raw.quality.perplexity - 1)
+
+    references = [raw] + [heldout(s) for s in config.reference_schemes if s != "raw"]
+    budgets = sorted(set(config.budgets) | {round(r.bits_per_element, 6) for r in references
+                                            if r.scheme.startswith("affine")})
+    allocations = [allocate(sensitivity, target_bits=b, overhead_bits=overhead) for b in budgets]
+    calibration_reference = [KLReference.from_logprobs(lp) for lp in logprob_chunks(
+        model, _caches(model, "raw", len(split.calibration)), split.calibration, chunk=config.chunk)]
+    points = [CalibratedPoint(a, _mean_kl(model, a.spec, split.calibration, calibration_reference, config.chunk),
+                              heldout(a.spec)) for a in allocations]
+    return Calibration(sensitivity, overhead, references, points)
+
+
+def aura_overhead_bits(model: nn.Module) -> float:
+    """Metadata bits per K/V element of an AURA layer, read off a one-token aura8v8 cache."""
+    caches = _caches(model, "aura8v8", 1)
+    mx.eval(model(mx.array([[0]], dtype=mx.uint32), cache=caches))
+    return bits_per_element(caches) - 8
+
+
+def check_config(model: nn.Module, config: CalibrationConfig) -> float:
+    """Reject bad settings before the long measurement starts.
+
+    Returns:
+        float: The model's AURA metadata bits per element (`aura_overhead_bits`).
+
+    Raises:
+        ValueError: a count below 1, a width outside 2..8, a budget below every layer at the
+            narrowest width, or an unknown reference scheme.
+    """
+    overhead_bits = aura_overhead_bits(model)
+    for name, value in (("calibration_tokens", config.calibration_tokens),
+                        ("heldout_tokens", config.heldout_tokens), ("chunk", config.chunk)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if not config.widths or any(not 2 <= w <= 8 for w in config.widths):
+        raise ValueError(f"AURA widths must lie in 2..8, got {list(config.widths)}")
+    floor_bits = min(config.widths) + overhead_bits
+    if not config.budgets or min(config.budgets) < floor_bits:
+        raise ValueError(f"budgets must be at least {floor_bits:g} bits/element (every layer at "
+                         f"aura{min(config.widths)}v{min(config.widths)}), got {list(config.budgets)}")
+    for scheme in config.reference_schemes:
+        _caches(model, scheme, 1)  # raises ValueError for an unknown scheme
+    return overhead_bits
+
+
+def _split(tokenizer, text: str, config: CalibrationConfig) -> _Split:
+    first, second = split_halves(text)
+    return _Split(text_token_ids(tokenizer, first, config.calibration_tokens, what="the text's first half"),
+                  text_token_ids(tokenizer, second, config.heldout_tokens + 1, what="the text's second half"))
+
+
+def _caches(model: nn.Module, scheme: str, num_tokens: int) -> list:
+    return make_layer_caches(model, CacheOptions(scheme=scheme, max_context=num_tokens))
+
+
+def _mean_kl(model, scheme: str, ids: list[int], reference: list[KLReference], chunk: int) -> float:
+    chunks = logprob_chunks(model, _caches(model, scheme, len(ids)), ids, chunk=chunk)
+    return sum(float(ref.kl(lp).sum()) for ref, lp in zip(reference, chunks)) / len(ids)

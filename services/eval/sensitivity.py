@@ -1,0 +1,134 @@
+"""Per-layer sensitivity to KV compression: mean KL when one layer's K (or V) alone is compressed.
+
+A scheme spec cannot leave one of a layer's K and V raw, so each layer is measured with its
+partner at `PARTNER_BITS`: `key_kl[w]` is the mean KL with the layer at `aura{w}v8` (every other
+layer raw), `value_kl[w]` with it at `aura8v{w}`. Assuming the K and V contributions add, the
+layer at `aura{k}v{v}` then costs `key_kl[k] + value_kl[v] - key_kl[8]`, since
+`key_kl[8] = value_kl[8]` is the layer at aura8v8, whose K and V parts both appear twice.
+
+Source: HAWQ-style per-layer sensitivity (arXiv 1905.03696) with KL as the measure, applied to
+KV-cache widths as in KVQuant (arXiv 2401.18079).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import mlx.nn as nn
+import numpy as np
+
+from services.engine.cache import CacheOptions, KVCache, make_layer_caches
+
+from .metrics import KLReference, logprob_chunks
+from .replay import RecordedRun
+
+PARTNER_BITS = 8  # width of the half (K or V) not under test
+WIDTHS = tuple(range(2, 9))  # candidate AURA widths (bits per element)
+
+
+@dataclass(frozen=True, slots=True)
+class Sensitivity:
+    """Measured per-layer costs of compression, in mean KL(raw || scheme) nats per token."""
+
+    layers: tuple[int, ...]  # attention layers measured (recurrent layers have no K/V)
+    widths: tuple[int, ...]  # candidate widths (bits)
+    key_kl: tuple[dict[int, float], ...]  # per layer: width -> KL with the layer at aura{w}v8
+    value_kl: tuple[dict[int, float], ...]  # per layer: width -> KL with the layer at aura8v{w}
+    num_tokens: int  # calibration tokens scored
+
+    def layer_kl(self, index: int, key_bits: int, value_bits: int) -> float:
+        """Predicted KL of `layers[index]` at `aura{key_bits}v{value_bits}` (additive model)."""
+        both = self.key_kl[index][PARTNER_BITS]
+        return self.key_kl[index][key_bits] + self.value_kl[index][value_bits] - both
+
+    def to_dict(self) -> dict:
+        """JSON-ready: width keys become strings."""
+        out = asdict(self)
+        for name in ("key_kl", "value_kl"):
+            out[name] = [{str(w): kl for w, kl in row.items()} for row in out[name]]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Sensitivity":
+        """Inverse of `to_dict`.
+
+        Raises:
+            ValueError: a field is missing or a layer lacks a width.
+        """
+        try:
+            rows = {name: tuple({int(w): float(kl) for w, kl in row.items()} for row in data[name])
+                    for name in ("key_kl", "value_kl")}
+            result = cls(tuple(data["layers"]), tuple(data["widths"]), rows["key_kl"], rows["value_kl"],
+                         int(data["num_tokens"]))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a sensitivity table: {exc!r}") from exc
+        wanted = set(result.widths) | {PARTNER_BITS}
+        if any(set(row) != wanted for row in result.key_kl + result.value_kl):
+            raise ValueError(f"a sensitivity row lacks one of the widths {sorted(wanted)}")
+        return result
+
+
+def attention_layers(model: nn.Module) -> tuple[int, ...]:
+    """Indices of the layers whose cache holds K/V (the ones a scheme applies to)."""
+    return tuple(i for i, c in enumerate(make_layer_caches(model, CacheOptions(max_context=1)))
+                 if isinstance(c, KVCache))
+
+
+def layer_runs(widths: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The (key_bits, value_bits) pairs measured per layer: each width against the 8-bit partner."""
+    others = [w for w in widths if w != PARTNER_BITS]
+    return [(w, PARTNER_BITS) for w in others] + [(PARTNER_BITS, w) for w in others] + [(PARTNER_BITS,) * 2]
+
+
+def measure_sensitivity(
+    model: nn.Module, token_ids: list[int], *, chunk: int, widths: tuple[int, ...] = WIDTHS,
+    on_run: Callable[[str], None] | None = None,
+) -> Sensitivity:
+    """Compress one layer at a time and measure the mean KL against the raw cache.
+
+    Costs `len(layer_runs(widths))` teacher-forced runs per attention layer (13 for widths
+    2..8); each starts at the layer under test (`replay.RecordedRun`).
+
+    Args:
+        model (nn.Module): mlx-lm model.
+        token_ids (list[int]): Calibration tokens; position i predicts token i+1.
+        chunk (int): Tokens per forward (tokens).
+        widths (tuple[int, ...]): Candidate widths, each in 2..8.
+        on_run (Callable[[str], None] | None): Called with each scheme spec after its run.
+
+    Returns:
+        Sensitivity: Over every attention layer.
+
+    Raises:
+        ValueError: a width outside 2..8.
+    """
+    if not widths or any(not 2 <= w <= 8 for w in widths):
+        raise ValueError(f"AURA widths must lie in 2..8, got {list(widths)}")
+
+    def caches(scheme: str) -> list:
+        return make_layer_caches(model, CacheOptions(scheme=scheme, max_context=len(token_ids)))
+
+    run = RecordedRun(model, caches("raw"), token_ids, chunk=chunk)
+    reference = [KLReference.from_logprobs(lp) for lp in run.logprobs]
+    run.logprobs.clear()
+    layers = attention_layers(model)
+    key_kl, value_kl = [], []
+    for layer in layers:
+        measured = {}
+        for key_bits, value_bits in layer_runs(widths):
+            scheme = f"raw+{layer}=aura{key_bits}v{value_bits}"
+            with run.replaying(model, layer):
+                chunks = logprob_chunks(model, caches(scheme), token_ids, chunk=chunk)
+                kl_sum = sum(float(ref.kl(lp).sum()) for ref, lp in zip(reference, chunks))
+            measured[key_bits, value_bits] = kl_sum / len(token_ids)
+            if on_run is not None:
+                on_run(scheme)
+        key_kl.append({w: measured[w, PARTNER_BITS] for w in (*widths, PARTNER_BITS)})
+        value_kl.append({w: measured[PARTNER_BITS, w] for w in (*widths, PARTNER_BITS)})
+    return Sensitivity(layers, tuple(widths), tuple(key_kl), tuple(value_kl), len(token_ids))
+
+
+def predicted_kl(sensitivity: Sensitivity, key_bits: list[int], value_bits: list[int]) -> float:
+    """Predicted mean KL of a whole allocation: the sum of its layers' costs (nats per token)."""
+    return float(np.sum([sensitivity.layer_kl(i, k, v) for i, (k, v) in enumerate(zip(key_bits, value_bits))]))
