@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
                                chunk=args.chunk, widths=widths)
     check_config(loaded.model, config)
     runs = 0 if sensitivity else len(attention_layers(loaded.model)) * len(layer_runs(widths))
-    runs += len(config.reference_schemes) + len(config.budgets)
+    affine = sum(s.startswith("affine") for s in config.reference_schemes)  # each adds its bits as a budget
+    runs += len(config.reference_schemes) + len(config.budgets) + affine
     progress = _Progress(runs)
     try:
         calibration = calibrate(loaded.model, loaded.tokenizer, text, config, sensitivity=sensitivity,

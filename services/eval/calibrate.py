@@ -106,27 +106,36 @@ def calibrate(
                                           on_run=on_run)
     elif sensitivity.layers != attention_layers(model):
         raise ValueError(f"the sensitivity table covers layers {list(sensitivity.layers)}, not this model's")
-    heldout_ids, targets = split.heldout[:-1], np.array(split.heldout[1:])
-    raw_caches = _caches(model, "raw", len(heldout_ids))
-    raw_logprobs = list(logprob_chunks(model, raw_caches, heldout_ids, chunk=config.chunk))
-    raw = Measured("raw", bits_per_element(raw_caches), score_chunks(raw_logprobs, raw_logprobs, targets), 0.0)
-
-    def heldout(scheme: str) -> Measured:
-        caches = _caches(model, scheme, len(heldout_ids))
-        quality = score_chunks(logprob_chunks(model, caches, heldout_ids, chunk=config.chunk), raw_logprobs, targets)
-        if on_run is not None:
-            on_run(scheme)
-        return Measured(scheme, bits_per_element(caches), quality, quality.perplexity / raw.quality.perplexity - 1)
-
-    references = [raw] + [heldout(s) for s in config.reference_schemes if s != "raw"]
+    heldout = _HeldOut(model, split.heldout, config.chunk, on_run)
+    references = [heldout.raw] + [heldout.measure(s) for s in config.reference_schemes if s != "raw"]
     budgets = sorted(set(config.budgets) | {round(r.bits_per_element, 6) for r in references
                                             if r.scheme.startswith("affine")})
     allocations = [allocate(sensitivity, target_bits=b, overhead_bits=overhead) for b in budgets]
     calibration_reference = [KLReference.from_logprobs(lp) for lp in logprob_chunks(
         model, _caches(model, "raw", len(split.calibration)), split.calibration, chunk=config.chunk)]
     points = [CalibratedPoint(a, _mean_kl(model, a.spec, split.calibration, calibration_reference, config.chunk),
-                              heldout(a.spec)) for a in allocations]
+                              heldout.measure(a.spec)) for a in allocations]
     return Calibration(sensitivity, overhead, references, points)
+
+
+class _HeldOut:
+    """The held-out tokens, the raw cache's log-probabilities on them, and `measure(scheme)`."""
+
+    def __init__(self, model: nn.Module, token_ids: list[int], chunk: int, on_run: Callable[[str], None] | None):
+        self.model, self.chunk, self.on_run = model, chunk, on_run
+        self.ids, self.targets = token_ids[:-1], np.array(token_ids[1:])
+        caches = _caches(model, "raw", len(self.ids))
+        self.logprobs = list(logprob_chunks(model, caches, self.ids, chunk=chunk))
+        quality = score_chunks(self.logprobs, self.logprobs, self.targets)
+        self.raw = Measured("raw", bits_per_element(caches), quality, 0.0)
+
+    def measure(self, scheme: str) -> Measured:
+        caches = _caches(self.model, scheme, len(self.ids))
+        chunks = logprob_chunks(self.model, caches, self.ids, chunk=self.chunk)
+        quality = score_chunks(chunks, self.logprobs, self.targets)
+        if self.on_run is not None:
+            self.on_run(scheme)
+        return Measured(scheme, bits_per_element(caches), quality, quality.perplexity / self.raw.quality.perplexity - 1)
 
 
 def aura_overhead_bits(model: nn.Module) -> float:
