@@ -68,8 +68,9 @@ def test_replay_gives_the_full_forward_and_restores_the_layers():
     assert can_replay(model)
     for start in range(3):
         scheme = f"raw+{start}=aura2v3"
+        caches = _caches(model, scheme)  # outside the replay: building probes the model with a forward
         with run.replaying(model, start):
-            replayed = list(logprob_chunks(model, _caches(model, scheme), ids, chunk=8))
+            replayed = list(logprob_chunks(model, caches, ids, chunk=8))
         full = list(logprob_chunks(model, _caches(model, scheme), ids, chunk=8))
         for a, b in zip(replayed, full):
             np.testing.assert_allclose(a, b, atol=1e-6)

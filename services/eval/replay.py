@@ -86,8 +86,9 @@ class RecordedRun:
     def replaying(self, model: nn.Module, start: int) -> Iterator[None]:
         """Within the block, layers below `start` replay this run instead of computing.
 
-        Each model call must be the next chunk of the recorded run, in order; a model for
-        which `can_replay` is False runs every layer (same results, full cost).
+        Each model call must be the next chunk of the recorded run, in order (build caches
+        before: `make_layer_caches` probes the model with a forward); a model for which
+        `can_replay` is False runs every layer (same results, full cost).
         """
         with self._swapped(model, [_Replay(model.layers[i], self.outputs[i]) for i in range(start)] if self.enabled else []):
             yield

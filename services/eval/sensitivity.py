@@ -118,8 +118,9 @@ def measure_sensitivity(
         measured = {}
         for key_bits, value_bits in layer_runs(widths):
             scheme = f"raw+{layer}=aura{key_bits}v{value_bits}"
+            fresh = caches(scheme)  # built outside the replay: building probes the model with a forward
             with run.replaying(model, layer):
-                chunks = logprob_chunks(model, caches(scheme), token_ids, chunk=chunk)
+                chunks = logprob_chunks(model, fresh, token_ids, chunk=chunk)
                 kl_sum = sum(float(ref.kl(lp).sum()) for ref, lp in zip(reference, chunks))
             measured[key_bits, value_bits] = kl_sum / len(token_ids)
             if on_run is not None:
