@@ -37,6 +37,7 @@ from shared.protocol_base import (  # re-exported: this module is the one to imp
     SCHEMA_VERSION,
     Code,
     Count,
+    DeviceText,
     Epoch,
     ErrorText,
     FinishReason,
@@ -247,6 +248,8 @@ class EngineUsage(Struct):
     engine_tokens: Count = 0  # engine-reported: KV tokens its cache holds now
     pid: Pid | None = None  # the engine's OS process id
     prefix_cache: PrefixCacheUsage | None = None  # engine-reported (latest heartbeat)
+    device: DeviceText | None = None  # the engine's device, as its HELLO says
+    cuda_visible_devices: DeviceText | None = None  # the engine's CUDA_VISIBLE_DEVICES; None: unset
 
 
 class StatsReply(WireMessage):

@@ -105,6 +105,7 @@ ErrorText = Annotated[str, Field(max_length=MAX_ERROR_CHARS)]
 Reason = Annotated[FinishReason, Field(strict=False)]  # strict mode would demand an enum object
 Code = Annotated[ErrorCode, Field(strict=False)]
 Pid = Annotated[int, Field(ge=1, le=2**31 - 1)]
+DeviceText = Annotated[str, Field(max_length=256)]  # e.g. "gpu:0 (NVIDIA H200)", "cpu"
 
 
 class Struct(BaseModel):

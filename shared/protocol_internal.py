@@ -14,6 +14,7 @@ from shared.protocol_base import (
     MAX_LIST_ITEMS,
     Code,
     Count,
+    DeviceText,
     Epoch,
     ErrorText,
     Id,
@@ -55,6 +56,8 @@ class Hello(WireMessage):
     geometry: Geometry
     model: Annotated[str, Field(max_length=1024)] | None = None
     pid: Pid | None = None  # the engine's OS process id (operators, tests)
+    device: DeviceText | None = None  # where it runs: "cpu", "gpu:0 (NVIDIA H200)" (index as it sees it)
+    cuda_visible_devices: DeviceText | None = None  # its CUDA_VISIBLE_DEVICES; None: unset
 
 
 class SamplingParams(Struct):

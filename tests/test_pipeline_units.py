@@ -404,3 +404,21 @@ def test_the_controller_evicts_an_idle_session_for_a_request_that_needs_its_slot
     revoked = next(m for _, m in out if isinstance(m, p.Revoked))
     assert (revoked.code, revoked.session_ids) == (ErrorCode.CANCELLED, ["S0"])
     assert isinstance(out[-1][1], p.Reserved)
+
+
+def test_controller_stats_show_each_engines_device_through_heartbeats_and_restarts():
+    core = ControllerCore(Ledger(engine_timeout_s=3.0))
+    gw = p.GATEWAY_ROUTING_ID
+    hello = p.Hello(engine_id="e0", epoch=0, geometry=GEOMETRY, pid=11, device="gpu:0 (NVIDIA H200)",
+                    cuda_visible_devices="1")  # fmt: skip
+    core.handle(ENGINE, hello, 0.0)
+    core.handle(b"e1:0", p.Hello(engine_id="e1", epoch=0, geometry=GEOMETRY, device="cpu"), 0.0)
+    core.handle(ENGINE, p.Heartbeat(engine_id="e0", epoch=0, used_slots=2), 0.5)  # carries no device
+    [(_, stats)] = core.handle(gw, p.Stats(id="s1"), 1.0)
+    seen = {e.engine_id: (e.device, e.cuda_visible_devices, e.pid, e.used_slots) for e in stats.engines}
+    assert seen == {"e0": ("gpu:0 (NVIDIA H200)", "1", 11, 2), "e1": ("cpu", None, None, 0)}
+    core.handle(b"e0:1", hello.model_copy(update={"epoch": 1, "pid": 12}), 2.0)  # restarted, same GPU
+    [(_, stats)] = core.handle(gw, p.Stats(id="s2"), 2.0)
+    e0 = next(e for e in stats.engines if e.engine_id == "e0")
+    assert (e0.epoch, e0.pid, e0.device, e0.cuda_visible_devices) == (1, 12, "gpu:0 (NVIDIA H200)", "1")
+    assert p.decode(p.encode(stats)) == stats  # the fields survive the wire

@@ -64,6 +64,20 @@ def select_device(spec: str) -> None:
     mx.set_default_device(mx.Device(mx.gpu, int(index)))
 
 
+def describe_device(spec: str) -> str:
+    """`spec` ("cpu" or "gpu:N", already selected) with the device's name: "gpu:0 (NVIDIA H200)".
+
+    The index is the one this process sees (after CUDA_VISIBLE_DEVICES); the name is MLX's
+    `device_name` for a GPU, and omitted where MLX gives none.
+    """
+    import mlx.core as mx
+
+    if spec == "cpu":
+        return "cpu"
+    name = mx.device_info(mx.Device(mx.gpu, int(spec.partition(":")[2]))).get("device_name")
+    return f"{spec} ({name})" if name else spec
+
+
 def build_service(settings: EngineSettings):
     """Load the model, build the `EngineCore` and wrap it in an `EngineService`.
 
@@ -92,8 +106,9 @@ def build_service(settings: EngineSettings):
         state_bytes_per_slot=geo["state_bytes_per_slot"],
     )  # fmt: skip
     epoch = settings.epoch if settings.epoch is not None else int(time.time())
-    hello = Hello(engine_id=settings.engine_id, epoch=epoch, geometry=geometry,
-                  model=loaded.path.name, pid=os.getpid())  # fmt: skip
+    hello = Hello(engine_id=settings.engine_id, epoch=epoch, geometry=geometry, model=loaded.path.name,
+                  pid=os.getpid(), device=describe_device(settings.device),
+                  cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))  # fmt: skip
     addresses = EngineAddresses(
         gateway_cmd=settings.engine_cmd_address, gateway_out=settings.engine_out_address,
         controller=settings.controller_address,

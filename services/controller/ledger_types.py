@@ -13,6 +13,8 @@ class EngineReport:
     """What an engine last said about itself (HELLO and heartbeats); for stats only."""
 
     pid: int | None = None  # the engine's OS process id
+    device: str | None = None  # its device ("cpu", "gpu:0 (NVIDIA H200)"), from its HELLO
+    cuda_visible_devices: str | None = None  # its CUDA_VISIBLE_DEVICES, from its HELLO
     max_slots: int = 0  # sequences it can hold at once
     used_slots: int = 0  # slots held now, sessions between turns included
     engine_tokens: int = 0  # KV tokens its cache holds now

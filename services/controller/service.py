@@ -65,6 +65,8 @@ class EnginePeer:
     identity: bytes  # ROUTER identity of the engine's controller DEALER
     max_slots: int
     pid: int | None
+    device: str | None = None  # from HELLO, for stats
+    cuda_visible_devices: str | None = None
 
 
 class ControllerCore:
@@ -184,8 +186,10 @@ class ControllerCore:
         if known is None or known.epoch != msg.epoch:
             self.log.info("engine_registered", engine_id=msg.engine_id, epoch=msg.epoch,
                           capacity_tokens=geo.capacity_tokens, pid=msg.pid)  # fmt: skip
-        self.engines[msg.engine_id] = EnginePeer(msg.epoch, identity, geo.slots, msg.pid)
-        report = EngineReport(pid=msg.pid, max_slots=geo.slots)
+        self.engines[msg.engine_id] = EnginePeer(msg.epoch, identity, geo.slots, msg.pid, msg.device,
+                                                 msg.cuda_visible_devices)  # fmt: skip
+        report = EngineReport(pid=msg.pid, max_slots=geo.slots, device=msg.device,
+                              cuda_visible_devices=msg.cuda_visible_devices)  # fmt: skip
         released = self.ledger.register_engine(
             msg.engine_id, msg.epoch, geo.capacity_tokens, geo.bytes_per_token,
             window_tokens=geo.window_tokens, max_slots=geo.slots, now=now, report=report,
@@ -196,7 +200,9 @@ class ControllerCore:
         peer = self.engines.get(msg.engine_id)
         report = EngineReport(pid=peer.pid if peer else None, max_slots=peer.max_slots if peer else 0,
                               used_slots=msg.used_slots, engine_tokens=msg.tokens_used,
-                              prefix_cache=msg.prefix_cache)  # fmt: skip
+                              prefix_cache=msg.prefix_cache,
+                              device=peer.device if peer else None,
+                              cuda_visible_devices=peer.cuda_visible_devices if peer else None)  # fmt: skip
         if self.ledger.heartbeat(msg.engine_id, msg.epoch, now, report):
             return []
         if self.ledger.is_stale(msg.engine_id, msg.epoch):  # declared dead: it must restart
@@ -235,6 +241,7 @@ class ControllerCore:
                 free_tokens=e.free_tokens, bytes_per_token=e.bytes_per_token,
                 used_slots=e.report.used_slots, max_slots=e.report.max_slots, reserved_slots=e.used_slots,
                 engine_tokens=e.report.engine_tokens, pid=e.report.pid, prefix_cache=e.report.prefix_cache,
+                device=e.report.device, cuda_visible_devices=e.report.cuda_visible_devices,
             )
             for e in stats.engines
         ]  # fmt: skip
