@@ -1,0 +1,212 @@
+"""The serving pipeline measured: `buttermilk serve` against `EngineCore` in process, same load.
+
+Phases (`--phases`, in this order, each writing its part of `--out` as soon as it ends, so a
+timeout still leaves data):
+
+- `core`: the engine's own `EngineCore` (built by `services.commands.engine.build_service`
+  with the serve settings) driven in this process, no sockets, at each concurrency;
+- `serve`: `buttermilk serve --engines E` (real processes, 127.0.0.1), the same closed-loop
+  token-id load through the gateway, each engine's device from `stats`;
+- `kill` (E ≥ 2): `ops.serve_kill`, one engine SIGKILLed under load.
+
+Per level: TTFT, inter-token latency (ITL) and time per output token (TPOT) p50/p95 in ms,
+aggregate completion tok/s. With both `core` and `serve` in `--out`, `overhead` gives the
+pipeline's cost per token over the engine core at each level: `(core tok/s / serve tok/s − 1)`
+in percent, and the TPOT p50 difference in ms. Levels run while `--deadline-s` allows.
+
+    python -m ops.random_model --shape tiny --out /tmp/tiny --dtype float32
+    python -m ops.serve_bench --model /tmp/tiny --device cpu --dtype float32 --concurrency 1,4 \\
+        --prompt-tokens 64 --max-tokens 16 --phases core,serve --out /tmp/pipeline.json
+    python -m ops.serve_bench --model /tmp/llama --engines 2 --phases serve,kill --out ...   # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+from ops.serve_load import Workload, summarize
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a model folder (e.g. from ops.random_model)")
+    parser.add_argument("--out", type=Path, required=True, help="JSON file; phases add their keys to it")
+    parser.add_argument("--phases", default="core,serve", help="comma-separated: core, serve, kill")
+    parser.add_argument("--engines", type=int, default=1)
+    parser.add_argument("--device", default="auto", help="serve's --device (auto: one engine per GPU)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--concurrency", default="1,8,32,64", type=lambda s: [int(x) for x in s.split(",") if x])
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
+    parser.add_argument("--step-token-budget", type=int, default=512, help="engine tokens per step")
+    parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument("--kill-streams", type=int, default=16, help="requests in flight at the kill")
+    parser.add_argument("--kill-max-tokens", type=int, default=512, help="their length (keeps them running)")
+    parser.add_argument("--ready-timeout-s", type=float, default=180.0)
+    parser.add_argument("--deadline-s", type=float, default=400.0, help="no new level starts after this")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the short warm-up pass per level")
+    parser.add_argument("--label", default="", help="key suffix in --out, e.g. '_shared' (E engines on one GPU)")
+    return parser.parse_args(argv)
+
+
+def sizes(args) -> dict:
+    """Engine sizes that hold every client's request at once (tokens, slots)."""
+    most = max(args.concurrency + [args.kill_streams])
+    per_request = args.prompt_tokens + max(args.max_tokens, args.kill_max_tokens)
+    return {"capacity_tokens": most * (per_request + 16) + 1024, "max_slots": most,
+            "step_token_budget": args.step_token_budget, "max_context": args.max_context}  # fmt: skip
+
+
+class Report:
+    """The `--out` JSON, re-written whole after every change (a killed run keeps what it had)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.data = json.loads(path.read_text()) if path.is_file() else {}
+
+    def put(self, key: str, value) -> None:
+        self.data[key] = value
+        self.data["overhead"] = overhead(self.data)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2) + "\n")
+        os.replace(tmp, self.path)
+
+
+def overhead(data: dict) -> list[dict]:
+    """Per concurrency in both `core` and `serve_e1` levels: the pipeline's cost per token."""
+    core = {lvl["concurrency"]: lvl for lvl in data.get("core", {}).get("levels", [])}
+    rows = []
+    for lvl in data.get("serve_e1", {}).get("levels", []):
+        base = core.get(lvl["concurrency"])
+        if base and lvl.get("throughput_tok_s") and base.get("throughput_tok_s"):
+            tpot = (lvl["tpot_ms"]["p50"], base["tpot_ms"]["p50"])
+            rows.append({"concurrency": lvl["concurrency"], "serve_tok_s": lvl["throughput_tok_s"],
+                         "core_tok_s": base["throughput_tok_s"],
+                         "cost_per_token_pct": round((base["throughput_tok_s"] / lvl["throughput_tok_s"] - 1) * 100, 2),
+                         "tpot_p50_ms_over_core": round(tpot[0] - tpot[1], 3) if None not in tpot else None})  # fmt: skip
+    return rows
+
+
+def run_levels(args, run_one, deadline: float, on_level) -> list[dict]:
+    """Warm up and measure each concurrency while the deadline allows; `on_level` sees each result."""
+    levels = []
+    for concurrency in args.concurrency:
+        if time.monotonic() > deadline:
+            levels.append({"concurrency": concurrency, "skipped": "deadline"})
+            continue
+        if not args.no_warmup:
+            run_one(workload(args, max_tokens=8, requests=1), concurrency)
+        levels.append(summarize(run_one(workload(args), concurrency), concurrency))
+        on_level(levels)
+    return levels
+
+
+def workload(args, **changes) -> Workload:
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    base = Workload(vocab_size=config.get("text_config", config)["vocab_size"], prompt_tokens=args.prompt_tokens,
+                    max_tokens=args.max_tokens, requests_per_client=args.requests)  # fmt: skip
+    if "requests" in changes:
+        changes["requests_per_client"] = changes.pop("requests")
+    return dataclasses.replace(base, **changes)
+
+
+def phase_core(args, report: Report, deadline: float) -> None:
+    """EngineCore in this process, on the device the first engine would get."""
+    from ops.serve_load import core_level
+    from services.commands.engine import EngineSettings, build_service, describe_device, select_device
+    from services.commands.serve import engine_placement, resolve_device, visible_gpus
+
+    gpus = visible_gpus()
+    device, env = engine_placement(resolve_device(args.device, gpus), 0, gpus)
+    os.environ.update(env)  # before MLX touches CUDA
+    select_device(device)
+    start = time.monotonic()
+    settings = EngineSettings(model=args.model, dtype=args.dtype, device=device, **sizes(args))
+    core = build_service(settings).core
+    info = {"device": describe_device(device), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "load_s": round(time.monotonic() - start, 2), "settings": sizes(args)}  # fmt: skip
+    levels = run_levels(args, lambda w, c: core_level(core, w, c), deadline,
+                        lambda lv: report.put("core", {**info, "levels": lv}))  # fmt: skip
+    report.put("core", {**info, "levels": levels})
+    del core
+    import mlx.core as mx
+
+    mx.clear_cache()  # a later phase's engines may share this GPU
+
+
+def serve_flags(args) -> list[str]:
+    flags = ["--model", args.model, "--engines", str(args.engines), "--device", args.device, "--dtype", args.dtype,
+             "--max-active-sessions", str(max(args.concurrency + [args.kill_streams + 8])), "--max-queue", "256"]
+    for name, value in sizes(args).items():
+        flags += ["--" + name.replace("_", "-"), str(value)]
+    return flags
+
+
+def phase_serve(args, report: Report, deadline: float, server) -> None:
+    """Closed-loop levels through the gateway; each engine's peak slots per level."""
+    from ops.serve_load import WireLoad
+    from ops.serve_process import engine_table
+
+    key = f"serve_e{args.engines}{args.label}"
+    info = {"engines": engine_table(server.stats()), "settings": sizes(args), "ready_s": server.ready_s}
+    load = WireLoad(server.address, max(args.concurrency))
+    try:
+        peaks: dict[str, int] = {}  # engine id -> most requests it held at once (sampled)
+        per_request = args.prompt_tokens + args.max_tokens
+
+        def sample() -> None:
+            for e in server.stats().engines:
+                peaks[e.engine_id] = max(peaks.get(e.engine_id, 0), e.reserved_tokens // per_request)
+
+        def run_one(w, c):
+            peaks.clear()
+            return load.run_level(w, c, on_wait=sample)
+
+        def on_level(levels):
+            levels[-1]["peak_requests_per_engine"] = dict(peaks)
+            report.put(key, {**info, "levels": levels})
+
+        levels = run_levels(args, run_one, deadline, on_level)
+    finally:
+        load.close()
+    report.put(key, {**info, "levels": levels})
+
+
+def phase_kill(args, report: Report, server) -> None:
+    from ops.serve_kill import kill_check
+
+    w = workload(args, max_tokens=args.kill_max_tokens)
+    report.put(f"kill{args.label}", asyncio.run(kill_check(server.address, w, streams=args.kill_streams)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from ops.serve_process import ServeProcess
+
+    args = parse_args(argv)
+    deadline = time.monotonic() + args.deadline_s
+    report = Report(args.out)
+    phases = args.phases.split(",")
+    if "core" in phases:
+        phase_core(args, report, deadline)
+    if "serve" in phases or "kill" in phases:
+        server = ServeProcess(serve_flags(args), args.engines, args.out.with_suffix(f".serve_e{args.engines}.log"))
+        try:
+            server.ready_s = round(server.wait_ready(args.ready_timeout_s), 2)
+            if "serve" in phases:
+                phase_serve(args, report, deadline, server)
+            if "kill" in phases and args.engines >= 2:
+                phase_kill(args, report, server)
+        finally:
+            server.stop()
+    print(json.dumps(report.data, indent=2))
+
+
+if __name__ == "__main__":
+    main()
