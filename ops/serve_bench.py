@@ -27,7 +27,10 @@ import asyncio
 import dataclasses
 import json
 import os
+import signal
+import sys
 import time
+import traceback
 from pathlib import Path
 
 from ops.serve_load import Workload, summarize
@@ -74,6 +77,7 @@ class Report:
     def put(self, key: str, value) -> None:
         self.data[key] = value
         self.data["overhead"] = overhead(self.data)
+        self.data["scaling"] = scaling(self.data)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=2) + "\n")
         os.replace(tmp, self.path)
@@ -92,6 +96,41 @@ def overhead(data: dict) -> list[dict]:
                          "cost_per_token_pct": round((base["throughput_tok_s"] / lvl["throughput_tok_s"] - 1) * 100, 2),
                          "tpot_p50_ms_over_core": round(tpot[0] - tpot[1], 3) if None not in tpot else None})  # fmt: skip
     return rows
+
+
+def scaling(data: dict) -> list[dict]:
+    """Per concurrency: aggregate tok/s of each multi-engine run over the one-engine run."""
+    one = {lvl["concurrency"]: lvl.get("throughput_tok_s") for lvl in data.get("serve_e1", {}).get("levels", [])}
+    rows = []
+    for key in sorted(k for k in data if k.startswith("serve_e") and k != "serve_e1"):
+        for lvl in data[key].get("levels", []):
+            base = one.get(lvl["concurrency"])
+            if base and lvl.get("throughput_tok_s"):
+                rows.append({"run": key, "concurrency": lvl["concurrency"], "tok_s": lvl["throughput_tok_s"],
+                             "e1_tok_s": base, "ratio": round(lvl["throughput_tok_s"] / base, 3)})  # fmt: skip
+    return rows
+
+
+def summary_lines(data: dict) -> list[str]:
+    """A short human summary of a report (the run's last lines)."""
+    lines = []
+    for key in [k for k in data if k == "core" or k.startswith("serve_e")]:
+        part = data[key]
+        devices = [e.get("device") for e in part.get("engines", [])] or [part.get("device")]
+        lines.append(f"{key}: devices {devices}")
+        for lvl in part.get("levels", []):
+            if "skipped" in lvl:
+                lines.append(f"  c={lvl['concurrency']}: skipped ({lvl['skipped']})")
+                continue
+            lines.append(f"  c={lvl['concurrency']}: {lvl['throughput_tok_s']} tok/s, TTFT p50/p95 "
+                         f"{lvl['ttft_ms']['p50']}/{lvl['ttft_ms']['p95']} ms, TPOT p50/p95 "
+                         f"{lvl['tpot_ms']['p50']}/{lvl['tpot_ms']['p95']} ms, ITL p95 {lvl['itl_ms']['p95']} ms, "
+                         f"failed {lvl['failed']}")  # fmt: skip
+    lines += [f"overhead c={r['concurrency']}: {r['cost_per_token_pct']}% per token" for r in data.get("overhead", [])]
+    lines += [f"scaling {r['run']} c={r['concurrency']}: x{r['ratio']}" for r in data.get("scaling", [])]
+    for key in [k for k in data if k.startswith("kill")]:
+        lines.append(f"{key}: ok={data[key]['ok']} {data[key]['checks']} in-flight {data[key]['in_flight']['outcomes']}")
+    return lines
 
 
 def run_levels(args, run_one, deadline: float, on_level) -> list[dict]:
@@ -186,26 +225,48 @@ def phase_kill(args, report: Report, server) -> None:
     report.put(f"kill{args.label}", asyncio.run(kill_check(server.address, w, streams=args.kill_streams)))
 
 
+def run_server_phases(args, report: Report, deadline: float, server, phases: list[str]) -> None:
+    label = f"e{args.engines}{args.label}"
+    try:
+        server.ready_s = round(server.wait_ready(args.ready_timeout_s), 2)
+    except RuntimeError as exc:
+        report.put(f"serve_{label}_error", str(exc))
+        return
+    if "serve" in phases:
+        guarded(report, f"serve_{label}", lambda: phase_serve(args, report, deadline, server))
+    if "kill" in phases and args.engines < 2:
+        report.put(f"kill{args.label}", {"skipped": "needs --engines 2 or more"})
+    elif "kill" in phases:
+        guarded(report, f"kill{args.label}", lambda: phase_kill(args, report, server))
+
+
+def guarded(report: Report, key: str, phase) -> None:
+    """Run a phase; an exception is recorded under `<key>_error` and the next phase still runs."""
+    try:
+        phase()
+    except Exception as exc:  # a benchmark reports what broke rather than losing later phases
+        report.put(f"{key}_error", "".join(traceback.format_exception_only(exc)).strip()[-2000:])
+
+
 def main(argv: list[str] | None = None) -> None:
     from ops.serve_process import ServeProcess
 
     args = parse_args(argv)
+    # `timeout` sends SIGTERM: unwind through the `finally` blocks so serve and clients stop too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deadline = time.monotonic() + args.deadline_s
     report = Report(args.out)
     phases = args.phases.split(",")
     if "core" in phases:
-        phase_core(args, report, deadline)
+        guarded(report, "core", lambda: phase_core(args, report, deadline))
     if "serve" in phases or "kill" in phases:
-        server = ServeProcess(serve_flags(args), args.engines, args.out.with_suffix(f".serve_e{args.engines}.log"))
+        log = args.out.with_name(f"{args.out.stem}.serve_e{args.engines}{args.label}.log")
+        server = ServeProcess(serve_flags(args), args.engines, log)
         try:
-            server.ready_s = round(server.wait_ready(args.ready_timeout_s), 2)
-            if "serve" in phases:
-                phase_serve(args, report, deadline, server)
-            if "kill" in phases and args.engines >= 2:
-                phase_kill(args, report, server)
+            run_server_phases(args, report, deadline, server, phases)
         finally:
             server.stop()
-    print(json.dumps(report.data, indent=2))
+    print("\n".join(summary_lines(report.data)))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from ops.loadgen import gaps, percentiles
@@ -133,24 +132,25 @@ class WireLoad:
 
         self.address = address
         self.num_procs = max(1, math.ceil(max_concurrency / CLIENTS_PER_PROCESS))
-        self.pool = ProcessPoolExecutor(self.num_procs, mp_context=multiprocessing.get_context("spawn"))
-        for f in [self.pool.submit(_noop, 0.5) for _ in range(self.num_procs)]:  # start every worker now
-            f.result()
+        self.pool = multiprocessing.get_context("spawn").Pool(self.num_procs)
+        self.pool.map(_noop, [0.5] * self.num_procs, chunksize=1)  # start every worker now
 
     def run_level(self, workload: Workload, concurrency: int, on_wait=None) -> list[RequestRecord]:
         """Run `concurrency` clients to completion; `on_wait()` is called every ~0.2 s meanwhile."""
         procs = min(self.num_procs, math.ceil(concurrency / CLIENTS_PER_PROCESS))
         shares = [list(range(concurrency))[p::procs] for p in range(procs)]
         start_at = time.monotonic() + 0.2
-        futures = [self.pool.submit(_worker, self.address, asdict(workload), s, start_at) for s in shares]
-        while not all(f.done() for f in futures):
+        results = [self.pool.apply_async(_worker, (self.address, asdict(workload), s, start_at)) for s in shares]
+        while not all(r.ready() for r in results):
             if on_wait is not None:
                 on_wait()
             time.sleep(0.2)
-        return [RequestRecord(**r) for f in futures for r in f.result()]
+        return [RequestRecord(**r) for result in results for r in result.get()]
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        """Stop the client processes now (a level cut short leaves none behind)."""
+        self.pool.terminate()
+        self.pool.join()
 
 
 # ---- in process ---------------------------------------------------------------------------

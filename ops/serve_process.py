@@ -20,7 +20,7 @@ def free_tcp_address() -> str:
 
 
 class ServeProcess:
-    """`buttermilk serve` with `argv` flags on a free 127.0.0.1 port, its log in `log_path`.
+    """`buttermilk serve` with `flags` on a free 127.0.0.1 port; its log in `log_path`, its pid beside it.
 
     Args:
         flags (list[str]): `serve` flags (model, engines, device, sizes).
@@ -35,6 +35,9 @@ class ServeProcess:
         argv = [sys.executable, "-m", "services.cli", "serve", "--address", self.address, *flags]
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # For a wrapper script's cleanup should this process be SIGKILLed: serve leads its own group.
+        self.pid_path = log_path.with_suffix(".pid")
+        self.pid_path.write_text(f"{self.proc.pid}\n")
 
     def wait_ready(self, timeout_s: float) -> float:
         """Block until every engine is live; returns the seconds it took.
@@ -69,6 +72,7 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self.pid_path.unlink(missing_ok=True)
         return self.proc.returncode
 
 

@@ -56,7 +56,7 @@ class Hello(WireMessage):
     geometry: Geometry
     model: Annotated[str, Field(max_length=1024)] | None = None
     pid: Pid | None = None  # the engine's OS process id (operators, tests)
-    device: DeviceText | None = None  # where it runs: "cpu", "gpu:0 (NVIDIA H200)" (index as it sees it)
+    device: DeviceText | None = None  # where it runs: "cpu", "gpu:0 (NVIDIA H200, <PCI bus id>)"
     cuda_visible_devices: DeviceText | None = None  # its CUDA_VISIBLE_DEVICES; None: unset
 
 

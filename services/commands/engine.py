@@ -65,17 +65,22 @@ def select_device(spec: str) -> None:
 
 
 def describe_device(spec: str) -> str:
-    """`spec` ("cpu" or "gpu:N", already selected) with the device's name: "gpu:0 (NVIDIA H200)".
+    """`spec` ("cpu" or "gpu:N", already selected) with the device's name and PCI bus id.
 
-    The index is the one this process sees (after CUDA_VISIBLE_DEVICES); the name is MLX's
-    `device_name` for a GPU, and omitted where MLX gives none.
+    E.g. "gpu:0 (NVIDIA H200, 00000000:1B:00.0)": the index is the one this process sees
+    (after CUDA_VISIBLE_DEVICES), the bus id names the physical GPU. Parts MLX does not give
+    (Apple GPUs have no bus id) are left out.
     """
     import mlx.core as mx
 
     if spec == "cpu":
         return "cpu"
-    name = mx.device_info(mx.Device(mx.gpu, int(spec.partition(":")[2]))).get("device_name")
-    return f"{spec} ({name})" if name else spec
+    try:
+        info = mx.device_info(mx.Device(mx.gpu, int(spec.partition(":")[2])))
+    except (RuntimeError, ValueError):  # a backend without device info: the spec alone
+        return spec
+    parts = [str(info[k]) for k in ("device_name", "pci_bus_id") if info.get(k)]
+    return f"{spec} ({', '.join(parts)})" if parts else spec
 
 
 def build_service(settings: EngineSettings):

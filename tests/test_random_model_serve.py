@@ -1,0 +1,94 @@
+"""Random-weight model folders (`ops.random_model`) load offline and serve token-id requests;
+engines show their device in `stats`; the load benchmark's figures are computed right."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+
+from ops.random_model import TINY, write_random_model
+from ops.serve_load import RequestRecord, summarize
+from ops.serve_process import ServeProcess
+
+MAX_CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models") / "tiny"
+    info = write_random_model("tiny", folder, dtype="float32")
+    return folder, info
+
+
+def tiny_params() -> int:
+    """Llama weights of TINY counted by hand: embedding (tied), per layer q/k/v/o, MLP, 2 norms; final norm."""
+    h, v, i, layers = TINY["hidden_size"], TINY["vocab_size"], TINY["intermediate_size"], TINY["num_hidden_layers"]
+    q = TINY["num_attention_heads"] * TINY["head_dim"]
+    kv = TINY["num_key_value_heads"] * TINY["head_dim"]
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+    return v * h + layers * per_layer + h
+
+
+def test_folder_loads_offline_with_an_unreachable_eos(tiny_folder):
+    from services.engine.model.loader import load_model
+
+    folder, info = tiny_folder
+    assert info["params"] == tiny_params() and info["weight_bytes"] == 4 * tiny_params()
+    loaded = load_model(str(folder), dtype="float32")
+    vocab = TINY["vocab_size"]
+    assert loaded.tokenizer.eos_token_ids == {vocab}  # one past the model's logits
+    assert loaded.tokenizer.encode("t5 t17 t999") == [5, 17, 999]
+    assert loaded.model.model.embed_tokens.weight.shape == (vocab, TINY["hidden_size"])
+    again = write_random_model("tiny", folder, dtype="float32")
+    assert again["reused"] and again["params"] == info["params"]
+
+
+def test_serve_answers_token_ids_like_in_process_generation_and_shows_the_device(tiny_folder, tmp_path):
+    from services.engine.model.loader import load_model
+    from shared.client import AsyncClient
+    from tests.pipeline_helpers import reference_generation
+
+    folder, _ = tiny_folder
+    prompt = [(7 * i + 3) % TINY["vocab_size"] for i in range(40)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = "7"  # inherited by the engine: stats must relay its value
+    try:
+        server = ServeProcess(["--model", str(folder), "--device", "cpu", "--dtype", "float32", "--max-context",
+                               str(MAX_CONTEXT), "--capacity-tokens", "1024", "--max-slots", "4"], 1,
+                              tmp_path / "serve.log")  # fmt: skip
+    finally:
+        del os.environ["CUDA_VISIBLE_DEVICES"]
+
+    async def ask():
+        async with AsyncClient(server.address) as client:
+            done = await client.generate(token_ids=prompt, max_tokens=12, temperature=0.0, timeout_s=60)
+            return done, await client.stats()
+
+    try:
+        server.wait_ready(120)
+        done, stats = asyncio.run(ask())
+    finally:
+        assert server.stop() == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    _, expected_ids, _ = reference_generation(load_model(str(folder), dtype="float32"), prompt, 12, MAX_CONTEXT)
+    assert (done.finish_reason, done.token_ids) == ("length", expected_ids)
+    assert done.text == "".join(f" t{t}" for t in expected_ids)  # words after the prompt's, space-separated
+    [engine] = stats.engines
+    assert (engine.device, engine.cuda_visible_devices, engine.epoch) == ("cpu", "7", 0)
+
+
+def test_level_summary_figures():
+    # Two requests sent at t=0 and t=1; tokens at the times listed (two share one message).
+    records = [RequestRecord(0, 0.0, [0.1, 0.2, 0.2, 0.5]), RequestRecord(1, 1.0, [1.3, 1.4, 1.5])]
+    records.append(RequestRecord(2, 1.0, finish_reason=None, error_code="engine_failed"))
+    level = summarize(records, concurrency=2)
+    assert level["completion_tokens"] == 7 and level["wall_s"] == 1.5
+    assert level["throughput_tok_s"] == round(7 / 1.5, 1)
+    assert level["failed"] == {"engine_failed": 1} and level["requests"] == 3
+    assert level["ttft_ms"] == {"p50": 100.0, "p95": 300.0}  # TTFTs 0.1 and 0.3 s
+    # TPOT: (0.5 - 0.1) / 3 and (1.5 - 1.3) / 2 seconds; nearest rank p50 is the smaller.
+    assert level["tpot_ms"] == {"p50": 100.0, "p95": round(0.4 / 3 * 1000, 2)}
+    # ITL gaps: 0.1, 0.0, 0.3, 0.1, 0.1 (s) -> sorted 0, .1, .1, .1, .3
+    assert level["itl_ms"] == {"p50": 100.0, "p95": 300.0}
+    json.dumps(level)  # JSON-ready
