@@ -29,6 +29,10 @@ if [ "$DEVICE" = cpu ]; then
   T_BUILD=120; T_CORE=150; T_E1=150; T_E2=200
 else
   NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); DTYPE=${DTYPE:-bfloat16}; TAG=gpu
+  if [ "${NGPU:-0}" -eq 0 ]; then  # no nvidia-smi: ask MLX, and list the GPUs for serve's placement
+    NGPU=$($PY -c 'import mlx.core as mx; print(mx.device_count(mx.gpu) if mx.is_available(mx.gpu) else 0)' 2>/dev/null || echo 0)
+    [ "$NGPU" -gt 0 ] && [ -z "${CUDA_VISIBLE_DEVICES:-}" ] && export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((NGPU - 1)))
+  fi
   CONC=${CONC:-1,8,32,64}; PROMPT=${PROMPT:-512}; MAXTOK=${MAXTOK:-128}; KILL_STREAMS=${KILL_STREAMS:-32}; KILL_MAXTOK=${KILL_MAXTOK:-512}
   T_BUILD=${T_BUILD:-60}; T_CORE=${T_CORE:-110}; T_E1=${T_E1:-120}; T_E2=${T_E2:-190}
 fi
@@ -63,7 +67,7 @@ phase serve_e1 "$T_E1" "${BENCH[@]}" --phases serve --engines 1 --deadline-s $((
 phase serve_e2 "$T_E2" "${BENCH[@]}" --phases serve,kill --engines 2 --label "$LABEL" --deadline-s $((T_E2 - 110))
 
 $PY - "$JSON" "$OUT" "$NGPU" <<'EOF'
-import json, subprocess, sys
+import json, shutil, subprocess, sys
 from pathlib import Path
 from ops.serve_bench import summary_lines
 path, out, ngpu = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
@@ -73,7 +77,8 @@ try:
     data["model"] = json.loads(build[-1])
 except (IndexError, ValueError):
     data["model"] = {"error": "\n".join(build[-5:])}
-gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.splitlines() if ngpu else []
+smi = shutil.which("nvidia-smi")
+gpus = subprocess.run([smi, "-L"], capture_output=True, text=True).stdout.splitlines() if smi and ngpu else []
 data["host"] = {"gpus": gpus, "phases": (out / "phases.log").read_text().splitlines()}
 path.write_text(json.dumps(data, indent=2) + "\n")
 Path("ops/results").mkdir(exist_ok=True)
