@@ -33,6 +33,7 @@ import time
 import traceback
 from pathlib import Path
 
+from ops.serve_kill import KILL_WAVE
 from ops.serve_load import Workload, summarize
 
 
@@ -60,8 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def sizes(args) -> dict:
-    """Engine sizes that hold every client's request at once (tokens, slots)."""
-    most = max(args.concurrency + [args.kill_streams])
+    """Engine sizes that hold every client's request at once (tokens, slots).
+
+    The kill check needs room on one engine for its streams and the wave sent during the restart.
+    """
+    most = max(args.concurrency + [args.kill_streams + KILL_WAVE])
     per_request = args.prompt_tokens + max(args.max_tokens, args.kill_max_tokens)
     return {"capacity_tokens": most * (per_request + 16) + 1024, "max_slots": most,
             "step_token_budget": args.step_token_budget, "max_context": args.max_context}  # fmt: skip
@@ -102,7 +106,7 @@ def scaling(data: dict) -> list[dict]:
     """Per concurrency: aggregate tok/s of each multi-engine run over the one-engine run."""
     one = {lvl["concurrency"]: lvl.get("throughput_tok_s") for lvl in data.get("serve_e1", {}).get("levels", [])}
     rows = []
-    for key in sorted(k for k in data if k.startswith("serve_e") and k != "serve_e1"):
+    for key in sorted(k for k, v in data.items() if k.startswith("serve_e") and k != "serve_e1" and isinstance(v, dict)):
         for lvl in data[key].get("levels", []):
             base = one.get(lvl["concurrency"])
             if base and lvl.get("throughput_tok_s"):
@@ -114,8 +118,11 @@ def scaling(data: dict) -> list[dict]:
 def summary_lines(data: dict) -> list[str]:
     """A short human summary of a report (the run's last lines)."""
     lines = []
-    for key in [k for k in data if k == "core" or k.startswith("serve_e")]:
-        part = data[key]
+    for key, part in data.items():
+        if key.endswith("_error"):
+            lines.append(f"{key}: {part}")
+        if not (key == "core" or key.startswith("serve_e")) or not isinstance(part, dict):
+            continue
         devices = [e.get("device") for e in part.get("engines", [])] or [part.get("device")]
         lines.append(f"{key}: devices {devices}")
         for lvl in part.get("levels", []):
@@ -128,7 +135,7 @@ def summary_lines(data: dict) -> list[str]:
                          f"failed {lvl['failed']}")  # fmt: skip
     lines += [f"overhead c={r['concurrency']}: {r['cost_per_token_pct']}% per token" for r in data.get("overhead", [])]
     lines += [f"scaling {r['run']} c={r['concurrency']}: x{r['ratio']}" for r in data.get("scaling", [])]
-    for key in [k for k in data if k.startswith("kill")]:
+    for key in [k for k, v in data.items() if k.startswith("kill") and isinstance(v, dict) and "checks" in v]:
         lines.append(f"{key}: ok={data[key]['ok']} {data[key]['checks']} in-flight {data[key]['in_flight']['outcomes']}")
     return lines
 
@@ -181,8 +188,11 @@ def phase_core(args, report: Report, deadline: float) -> None:
 
 
 def serve_flags(args) -> list[str]:
+    """serve's flags: sizes for every client at once; the kill check runs its streams on one connection."""
+    most = str(max(args.concurrency + [args.kill_streams + KILL_WAVE]))
     flags = ["--model", args.model, "--engines", str(args.engines), "--device", args.device, "--dtype", args.dtype,
-             "--max-active-sessions", str(max(args.concurrency + [args.kill_streams + 8])), "--max-queue", "256"]
+             "--max-active-sessions", most, "--max-queue", "256", "--client-max-active", most,
+             "--client-max-queued", most]  # fmt: skip
     for name, value in sizes(args).items():
         flags += ["--" + name.replace("_", "-"), str(value)]
     return flags

@@ -23,6 +23,8 @@ import time
 from ops.serve_load import RequestRecord, Workload, wire_request
 from ops.serve_process import engine_table
 
+KILL_WAVE = 8  # requests sent while the killed engine restarts
+
 
 async def _stats(client):
     return await client.stats(timeout_s=2.0)
@@ -49,6 +51,7 @@ async def _finish(stream, record: RequestRecord) -> RequestRecord:
         record.error_code, record.error_message = exc.code.value, exc.message
     except TimeoutError as exc:
         record.error_code, record.error_message = "client_timeout", str(exc)
+    record.ended_s = time.monotonic()
     return record
 
 
@@ -105,13 +108,13 @@ async def kill_check(address: str, workload: Workload, *, streams: int, victim_i
         finishing = asyncio.gather(*(_finish(s, r) for s, r in started))
         dead_s = await _wait_engines(client, lambda t: _epoch_of(t, victim_id) != victim["epoch"],
                                      killed_at, restart_timeout_s)  # fmt: skip
-        during = await _wave(client, workload, 8, streams, max_tokens=16)
+        during = await _wave(client, workload, KILL_WAVE, streams, max_tokens=16)
         records = await finishing
         restart_s = await _wait_engines(client, lambda t: (_epoch_of(t, victim_id) or -1) > victim["epoch"],
                                         killed_at, restart_timeout_s)  # fmt: skip
         after = engine_table(await _stats(client))
         restarted = next((e for e in after if e["engine_id"] == victim_id), None)
-        later = await _wave(client, workload, streams, streams + 8, workload.max_tokens, sample=True)
+        later = await _wave(client, workload, streams, streams + KILL_WAVE, workload.max_tokens, sample=True)
     failed = [r for r in records if r.error_code is not None]
     on_victim, on_others = held.get(victim_id, 0), sum(n for e, n in held.items() if e != victim_id)
     same_device = restarted is not None and (restarted["device"], restarted["cuda_visible_devices"]) == (

@@ -50,9 +50,12 @@ class RequestRecord:
     finish_reason: str | None = None  # "length", ...; None when it failed
     error_code: str | None = None  # the wire error code when it failed
     error_message: str | None = None
+    ended_s: float | None = None  # when its `done` or `error` arrived
 
     @property
     def end_s(self) -> float:
+        if self.ended_s is not None:
+            return self.ended_s
         return self.token_times_s[-1] if self.token_times_s else self.start_s
 
 
@@ -100,6 +103,7 @@ async def wire_request(client, workload: Workload, client_index: int, index: int
         record.error_code, record.error_message = exc.code.value, exc.message
     except TimeoutError as exc:
         record.error_code, record.error_message = "client_timeout", str(exc)
+    record.ended_s = time.monotonic()
     return record
 
 

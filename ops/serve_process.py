@@ -32,7 +32,9 @@ class ServeProcess:
         self.address = free_tcp_address()
         self.num_engines = num_engines
         self.log_path = log_path
-        argv = [sys.executable, "-m", "services.cli", "serve", "--address", self.address, *flags]
+        # The HTTP API is off: the benchmark drives the ZeroMQ pipeline, and a fixed port could clash.
+        argv = [sys.executable, "-m", "services.cli", "serve", "--address", self.address, "--http-address", "off",
+                *flags]  # fmt: skip
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         # For a wrapper script's cleanup should this process be SIGKILLed: serve leads its own group.

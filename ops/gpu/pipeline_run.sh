@@ -40,6 +40,13 @@ if [ "${NGPU:-0}" -ge 2 ]; then NAME=engines2_${TAG}_${SHAPE}; LABEL=""; else NA
 JSON=$OUT/$NAME.json
 MODEL=/tmp/random-$SHAPE-$DTYPE
 rm -f "$JSON"
+# serve's gateway imports its HTTP API and metrics: the GPU bundle needs these beside mlx and pyzmq.
+MISSING=$($PY -c 'import importlib.util as u; print(" ".join(m for m in ("mlx", "mlx_lm", "zmq", "pydantic_settings", "structlog", "tokenizers", "transformers", "starlette", "uvicorn", "prometheus_client", "anyio", "h11", "click") if u.find_spec(m) is None))')
+if [ -n "$MISSING" ]; then
+  echo "{\"error\": \"python modules missing: $MISSING\"}" > "$JSON"
+  echo "ABORT: python modules missing: $MISSING (pack them: ../shared/gpu/prepare.sh starlette uvicorn prometheus-client anyio h11 click idna)"
+  exit 3
+fi
 echo "gpus=$NGPU shape=$SHAPE dtype=$DTYPE conc=$CONC -> $JSON" | tee "$OUT/phases.log"
 
 # Stop a serve that outlived its driver (the driver was SIGKILLed by timeout -k).
