@@ -75,7 +75,7 @@ async def _wave(client, workload: Workload, count: int, first_client: int, max_t
             "all_served": all(r.finish_reason == "length" for r in records)}  # fmt: skip
 
 
-async def kill_check(address: str, workload: Workload, *, streams: int, victim_id: str = "e1",
+async def kill_check(address: str, workload: Workload, *, streams: int, victim_id: str | None = None,
                      restart_timeout_s: float = 120.0) -> dict:  # fmt: skip
     """Run the check against a live server with at least two engines; see the module docstring.
 
@@ -83,7 +83,7 @@ async def kill_check(address: str, workload: Workload, *, streams: int, victim_i
         address (str): the gateway's client address.
         workload (Workload): prompts; `max_tokens` should keep streams running for seconds.
         streams (int): concurrent requests in flight at the kill.
-        victim_id (str): the engine to kill.
+        victim_id (str | None): the engine to kill. Default: the one holding most of the streams.
         restart_timeout_s (float): longest wait for the victim's next epoch, seconds.
 
     Returns:
@@ -94,7 +94,6 @@ async def kill_check(address: str, workload: Workload, *, streams: int, victim_i
     per_request = workload.prompt_tokens + workload.max_tokens
     async with AsyncClient(address) as client:
         before = engine_table(await _stats(client))
-        victim = next(e for e in before if e["engine_id"] == victim_id)
         pending = []
         for i in range(streams):
             record = RequestRecord(i, time.monotonic())
@@ -103,6 +102,8 @@ async def kill_check(address: str, workload: Workload, *, streams: int, victim_i
             pending.append((stream, record))
         started = await _first_tokens(pending, workload.timeout_s)
         held = {e.engine_id: e.reserved_tokens // per_request for e in (await _stats(client)).engines}
+        victim_id = victim_id or max(sorted(held, reverse=True), key=held.get)  # the busiest engine
+        victim = next(e for e in before if e["engine_id"] == victim_id)
         os.kill(victim["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
         finishing = asyncio.gather(*(_finish(s, r) for s, r in started))

@@ -6,7 +6,7 @@
 #   4. `serve --engines 2` (one per GPU; on one GPU both share it) and the kill-one-engine check.
 # Every phase has a timeout; JSON is rewritten after every level, so a cut run still reports.
 # Output: $OUT/<name>.json (pipeline_gpu_<shape>.json on 1 GPU, engines2_gpu_<shape>.json on 2+,
-# pipeline_cpu_<shape>.json on the CPU), serve logs, phases.log; a copy goes to ops/results/.
+# pipeline_cpu_<shape>.json on the CPU), serve logs, phases.log; GPU JSON is copied to ops/results/.
 #
 #   GPU host:  source .gpu/b/unpack.sh; set +e; OUT=$OUT bash ops/gpu/pipeline_run.sh
 #   CPU here:  DEVICE=cpu SHAPE=tiny PYTHON=.venv/bin/python OUT=/tmp/pipeline ops/gpu/pipeline_run.sh
@@ -88,8 +88,8 @@ smi = shutil.which("nvidia-smi")
 gpus = subprocess.run([smi, "-L"], capture_output=True, text=True).stdout.splitlines() if smi and ngpu else []
 data["host"] = {"gpus": gpus, "phases": (out / "phases.log").read_text().splitlines()}
 path.write_text(json.dumps(data, indent=2) + "\n")
-Path("ops/results").mkdir(exist_ok=True)
-(Path("ops/results") / path.name).write_text(json.dumps(data, indent=2) + "\n")
+if ngpu:  # GPU figures are kept in the repository; a CPU dry run stays in $OUT
+    (Path("ops/results") / path.name).write_text(json.dumps(data, indent=2) + "\n")
 print("\n".join(summary_lines(data)))
 EOF
 echo "DONE total_s=$((SECONDS - START))"
