@@ -115,7 +115,8 @@ def test_models_health_and_ready(server, api):
 
 
 def test_chat_matches_the_zmq_path_streamed_or_not(server, api):
-    ref = zmq(server, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0.0)
+    zmq(server, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0.0)  # the prompt's full pages enter the prefix cache
+    ref = zmq(server, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0.0)  # as warm as the HTTP requests below
     resp = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
     choice = resp.choices[0]
     assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", ref.text, ref.finish_reason)
@@ -137,6 +138,7 @@ def test_chat_matches_the_zmq_path_streamed_or_not(server, api):
 
 
 def test_completions_match_the_zmq_path_streamed_or_not(server, api):
+    zmq(server, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0)  # warms the prefix cache, as above
     ref = zmq(server, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0)
     resp = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     assert (resp.choices[0].text, resp.choices[0].finish_reason) == (ref.text, ref.finish_reason)
