@@ -9,6 +9,8 @@ Sources: llama.cpp `convert_hf_to_gguf.py` (`LlamaModel.permute`, `Gemma3Model.n
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from typing import Any
 
 import mlx.core as mx
@@ -92,21 +94,21 @@ def unpermute_rope_rows(w: mx.array, n_head: int) -> mx.array:
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-class Family:
-    """One architecture: subclasses name it and fill in the three conversions."""
+class Family(ABC):
+    """One architecture: subclasses name it and give its `config` (and, where needed, `transform`)."""
 
     name = ""
     layer_tensors: dict[str, str] = {}
     chat_template: str | None = None  # used when the file has none
     end_of_turn: str | None = None  # token text ending a chat turn, when the file names no EOT id
 
+    @abstractmethod
     def config(self, meta: dict[str, Any], tensor_names: tuple[str, ...]) -> dict[str, Any]:
         """The HF/mlx-lm `config.json` (without dtype and special token ids).
 
         Raises:
             ModelNotFound: A feature of the file this importer or mlx-lm cannot express.
         """
-        raise NotImplementedError
 
     def hf_name(self, gguf_name: str) -> str:
         """Maps `blk.3.attn_q.weight` to `model.layers.3.self_attn.q_proj.weight`.
