@@ -20,7 +20,7 @@ import os
 import signal
 import time
 
-from ops.serve_load import RequestRecord, Workload, wire_request
+from ops.serve_load import RequestRecord, Workload, finish_record, wire_request
 from ops.serve_process import engine_table
 
 KILL_WAVE = 8  # requests sent while the killed engine restarts
@@ -38,21 +38,6 @@ async def _first_tokens(streams, timeout_s: float) -> list:
         record.token_times_s += [time.monotonic()] * len(token.token_ids)
         started.append((stream, record))
     return started
-
-
-async def _finish(stream, record: RequestRecord) -> RequestRecord:
-    from shared.client import ServerError
-
-    try:
-        async for token in stream:
-            record.token_times_s += [time.monotonic()] * len(token.token_ids)
-        record.finish_reason = stream.done.finish_reason.value
-    except ServerError as exc:
-        record.error_code, record.error_message = exc.code.value, exc.message
-    except TimeoutError as exc:
-        record.error_code, record.error_message = "client_timeout", str(exc)
-    record.ended_s = time.monotonic()
-    return record
 
 
 def _outcomes(records: list[RequestRecord]) -> dict:
@@ -106,7 +91,7 @@ async def kill_check(address: str, workload: Workload, *, streams: int, victim_i
         victim = next(e for e in before if e["engine_id"] == victim_id)
         os.kill(victim["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
-        finishing = asyncio.gather(*(_finish(s, r) for s, r in started))
+        finishing = asyncio.gather(*(finish_record(s, r) for s, r in started))
         dead_s = await _wait_engines(client, lambda t: _epoch_of(t, victim_id) != victim["epoch"],
                                      killed_at, restart_timeout_s)  # fmt: skip
         during = await _wave(client, workload, KILL_WAVE, streams, max_tokens=16)

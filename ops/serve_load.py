@@ -96,12 +96,31 @@ async def wire_request(client, workload: Workload, client_index: int, index: int
     try:
         stream = await client.stream(token_ids=workload.prompt(client_index, index), temperature=0.0,
                                      max_tokens=max_tokens or workload.max_tokens, timeout_s=workload.timeout_s)  # fmt: skip
+    except (ServerError, TimeoutError) as exc:
+        return _ended(record, exc)
+    return await finish_record(stream, record)
+
+
+async def finish_record(stream, record: RequestRecord) -> RequestRecord:
+    """Read `stream` to its end into `record`: token arrival times, finish reason or error, end time."""
+    from shared.client import ServerError
+
+    try:
         async for token in stream:
             record.token_times_s += [time.monotonic()] * len(token.token_ids)
         record.finish_reason = stream.done.finish_reason.value
-    except ServerError as exc:
+    except (ServerError, TimeoutError) as exc:
+        return _ended(record, exc)
+    record.ended_s = time.monotonic()
+    return record
+
+
+def _ended(record: RequestRecord, exc: Exception) -> RequestRecord:
+    from shared.client import ServerError
+
+    if isinstance(exc, ServerError):
         record.error_code, record.error_message = exc.code.value, exc.message
-    except TimeoutError as exc:
+    else:
         record.error_code, record.error_message = "client_timeout", str(exc)
     record.ended_s = time.monotonic()
     return record

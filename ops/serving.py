@@ -22,11 +22,16 @@ START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 
 
-def free_tcp_address() -> str:
-    """A loopback tcp:// endpoint on a port that was free a moment ago."""
+def free_tcp_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        return sock.getsockname()[1]
+
+
+def free_tcp_address() -> str:
+    """A loopback tcp:// endpoint on a port that was free a moment ago."""
+    return f"tcp://127.0.0.1:{free_tcp_port()}"
 
 
 def child_pids(pid: int) -> list[int]:

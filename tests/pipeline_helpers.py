@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ops.serving import child_pids, free_tcp_address, free_tcp_port, is_alive
 from shared.client import AsyncClient, ServerError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,38 +20,6 @@ START_TIMEOUT_S = 180.0
 SERVER_FLAGS = ("--capacity-tokens", "4096", "--max-slots", "8", "--step-token-budget", "256",
                 "--max-context", "256")  # fmt: skip
 MAX_CONTEXT = 256
-
-
-def free_tcp_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def free_tcp_address() -> str:
-    return f"tcp://127.0.0.1:{free_tcp_port()}"
-
-
-def child_pids(pid: int) -> list[int]:
-    """Pids whose parent is `pid` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.1) -> None:
