@@ -343,9 +343,12 @@ def test_kv_usage_matches_the_engine_report_and_sessions_free_it(server, api):
     first = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
                                         extra_body={"session_id": "http-s1", "new_session": True})  # fmt: skip
     held = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # the last token's K/V is never computed
-    stats = run(wait_idle(server.address, sessions=1))
-    engine = stats.engines[0]
-    assert engine.held_tokens == held and engine.engine_tokens == 16 * math.ceil(held / 16)  # whole pages
+    pages = 16 * math.ceil(held / 16)  # whole pages
+    run(wait_idle(server.address, sessions=1))
+    # engine_tokens is the engine's latest heartbeat (every 0.5 s): wait for one sent after the turn.
+    wait_until(lambda: run(stats_of(server.address)).engines[0].engine_tokens == pages, 10, "the engine to report the session")
+    engine = run(stats_of(server.address)).engines[0]
+    assert engine.held_tokens == held and engine.engine_tokens == pages
     labels = (("engine_id", "e0"),)
     samples = scrape(server)
     capacity = samples[("buttermilk:kv_cache_capacity_tokens", labels)]
