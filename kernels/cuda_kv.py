@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -23,7 +24,9 @@ from kernels.lloyd_max import lloyd_max_thresholds
 MODES = {RAW: 0, AFFINE: 1, AURA: 2}
 NUM_SMS = 132  # H200; only sizes the split count
 _LOG2E = math.log2(math.e)
-_SHARED_ACC_BYTES = 32 * 1024  # partial kernel: per-block merge buffer, E x G x D floats
+_SHARED_ACC_BYTES = 40 * 1024  # partial kernel: per-block merge buffer, E x G x D floats
+_ENCODE_WARPS = 4  # vectors encoded per block of the encoder (one warp each; `sidx_all` in its source)
+_COMBINE_THREADS = 512  # the combine kernel's block at most (`NT` in its source)
 
 
 def is_available() -> bool:
@@ -94,17 +97,36 @@ def encode_rows(fmt: LayerFormat, keys: mx.array, values: mx.array) -> mx.array:
         inputs=[keys, values, _signs(fmt.key, head_dim), _signs(fmt.value, head_dim), cb, thr],
         template=[("T", keys.dtype), ("D", head_dim), *_part_args("K", fmt.key), *_part_args("V", fmt.value),
                   *_layout_args(fmt), ("PADMETA", bool(odd))],
-        grid=(batch * heads * length * head_dim, 1, 1),
-        threadgroup=(head_dim, 1, 1),
+        grid=(-(-batch * heads * length // _ENCODE_WARPS) * 32 * _ENCODE_WARPS, 1, 1),
+        threadgroup=(32 * _ENCODE_WARPS, 1, 1),
         output_shapes=[(batch, heads, length, fmt.row_words)],
         output_dtypes=[mx.uint32],
     )
     return rows
 
 
-def _split_plan(max_tokens: int, batch: int, n_kv_heads: int, page_size: int) -> tuple[int, int]:
-    """(tokens per split, splits): enough blocks to fill the GPU about 4 times over."""
-    target = max(1, math.ceil(4 * NUM_SMS / (batch * n_kv_heads)))
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    """Launch shape of the partial kernel.
+
+    Attributes:
+        dims_per_lane (int): Head dims one lane holds (8: one 16-byte load of fp16/bf16 per K row).
+        unroll (int): Tokens a lane loads before any math (memory-level parallelism).
+        warps (int): Warps per block (each keeps `32 * dims_per_lane / D` softmax states).
+        waves (int): Blocks launched per SM (sizes the split count).
+        query_in_registers (bool): Lanes hold their query slices in registers (else read shared memory).
+    """
+
+    dims_per_lane: int = 8
+    unroll: int = 1
+    warps: int = 4
+    waves: int = 4
+    query_in_registers: bool = True
+
+
+def _split_plan(max_tokens: int, batch: int, n_kv_heads: int, page_size: int, waves: int) -> tuple[int, int]:
+    """(tokens per split, splits): enough blocks to fill the GPU `waves` times over."""
+    target = max(1, math.ceil(waves * NUM_SMS / (batch * n_kv_heads)))
     per_split = max(page_size, math.ceil(math.ceil(max_tokens / target) / page_size) * page_size)
     return per_split, max(1, math.ceil(max_tokens / per_split))
 
@@ -121,6 +143,7 @@ def decode_attention(
     page_size: int,
     scale: float,
     sinks: mx.array | None = None,
+    tuning: Tuning | None = None,
 ) -> mx.array:
     """Fused paged decode attention: one query per row over its live token slots.
 
@@ -135,9 +158,13 @@ def decode_attention(
         page_size (int): P.
         scale (float): Score scale.
         sinks (mx.array | None): [n_heads] learned attention-sink logits, or None.
+        tuning (Tuning | None): Launch shape; None picks `default_tuning`.
 
     Returns:
         mx.array: [B, n_heads, 1, D] in the queries' dtype and the model's domain.
+
+    Raises:
+        ValueError: a format the kernels do not take (`LayerFormat.is_regular` is false).
     """
     batch, n_heads, _, head_dim = queries.shape
     group = n_heads // n_kv_heads
@@ -148,9 +175,12 @@ def decode_attention(
         tail_pages = tails[0].shape[0] // (n_kv_heads * page_size)
     kp, vp = (pools[0], pools[1]) if fmt.is_raw else (pools[0], pools[0])
     kt, vt = (tails[0], tails[1]) if fmt.is_raw else (tails[0], tails[0])
-    lanes = head_dim // 8  # 8 dims per lane: one 16-byte load of fp16/bf16
-    per_split, splits = _split_plan(page_table.shape[1] * page_size, batch, n_kv_heads, page_size)
-    warps = max(1, min(4, _SHARED_ACC_BYTES // (group * (32 // lanes) * head_dim * 4)))
+    if not fmt.is_regular:
+        raise ValueError(f"the CUDA kernels take regular formats only (kernels.paged_attention.uses_cuda), got {fmt}")
+    tuning = tuning or default_tuning(fmt, group)
+    lanes = head_dim // _dims_per_lane(fmt, tuning.dims_per_lane)
+    per_split, splits = _split_plan(page_table.shape[1] * page_size, batch, n_kv_heads, page_size, tuning.waves)
+    warps = max(1, min(tuning.warps, _SHARED_ACC_BYTES // (group * (32 // lanes) * head_dim * 4)))
     rotate = fmt.key.kind == AURA
     q_scale = scale * _LOG2E / (math.sqrt(head_dim) if rotate else 1.0)
     cb, _ = _tables(fmt)
@@ -159,25 +189,45 @@ def decode_attention(
         inputs=[queries, kp, vp, kt, vt, page_table, lengths, cb, _signs(fmt.key, head_dim),
                 _constant((per_split, pages, tail_pages, 0), mx.int32), _constant((q_scale,), mx.float32)],
         template=[("T", queries.dtype), ("RT", raw_dtype), ("D", head_dim), ("G", group), ("P", page_size),
-                  ("LPT", lanes), ("W", warps), ("U", 1), *_part_args("K", fmt.key), *_part_args("V", fmt.value),
-                  *_layout_args(fmt), ("ROTATE", rotate)],
+                  ("LPT", lanes), ("W", warps), ("U", tuning.unroll), *_part_args("K", fmt.key), *_part_args("V", fmt.value),
+                  *_layout_args(fmt), ("ROTATE", rotate), ("QREG", tuning.query_in_registers)],
         grid=(splits * 32 * warps, n_kv_heads, batch),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[(batch, n_heads, splits, head_dim), (batch, n_heads, splits, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
     has_sink = sinks is not None
+    merge = min(_COMBINE_THREADS // head_dim, 1 << (splits - 1).bit_length())  # splits merged side by side
     (out,) = _kernels()["combine"](
         inputs=[o_part, ml_part, sinks.astype(mx.float32) if has_sink else _constant((0.0,), mx.float32),
                 _signs(fmt.value, head_dim)],
         template=[("T", queries.dtype), ("D", head_dim), ("HAS_SINK", has_sink),
                   ("UNROTATE", fmt.value.kind == AURA)],
-        grid=(head_dim, n_heads, batch),
-        threadgroup=(head_dim, 1, 1),
+        grid=(head_dim * merge, n_heads, batch),
+        threadgroup=(head_dim * merge, 1, 1),
         output_shapes=[(batch, n_heads, 1, head_dim)],
         output_dtypes=[queries.dtype],
     )
     return out
+
+
+def _dims_per_lane(fmt: LayerFormat, wanted: int) -> int:
+    """`wanted`, cut so a lane's dims stay within the head, one affine group, and 32 lanes cover the head."""
+    groups = [p.group_size for p in (fmt.key, fmt.value) if p.kind == AFFINE]
+    return max(fmt.head_dim // 32, min(wanted, fmt.head_dim, *groups))
+
+
+def default_tuning(fmt: LayerFormat, group: int) -> Tuning:
+    """The launch shape measured best on the H200 (`ops/kernel_sweep.py`, `ops/results/kernel_sweep_gpu.json`).
+
+    Across raw, affine4 and aura4v4 at 1 x 32K and 32 x 8K: head_dim 64 (GQA 4) wants two tokens
+    in flight per lane and the query in shared memory (registers go to the unrolled rows); head_dim
+    128 (GQA 2) wants 16 dims per lane, one token at a time, the query in registers. Both want
+    about two blocks per SM: the combine then merges few splits.
+    """
+    if fmt.head_dim <= 64:
+        return Tuning(dims_per_lane=8, unroll=2, warps=4, waves=2, query_in_registers=False)
+    return Tuning(dims_per_lane=16, unroll=1, warps=4, waves=2, query_in_registers=True)
 
 
 @functools.cache

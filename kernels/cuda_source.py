@@ -2,7 +2,7 @@
 
 Three kernels, all reading and writing the row format of `kernels.kv_format`:
 - `ENCODE`: K and V vectors of one (token, head) -> one compressed row (AURA: rotate with a
-  shared-memory fast Walsh-Hadamard transform, Lloyd-Max search, pack, norm-corrected scale;
+  fast Walsh-Hadamard transform in warp shuffles, Lloyd-Max search, pack, norm-corrected scale;
   affine: MLX's CPU `mx.quantize` rule exactly: min/max, edge snapped to the grid, `rint`).
 - `PARTIAL`: split-K decode attention ("flash-decoding"): one block per (split, kv head, row)
   walks its tokens through the row's page table, reads each K/V row once for all G query
@@ -105,14 +105,20 @@ __device__ __forceinline__ void fwht_shared(float* v, int rows) {
 
 # Inputs: k, v [..., D] (strided), ksign, vsign float [D], cb float [512] (K centroids at 0,
 # V at 256), thr float [512] (thresholds, same split). Output rows uint32 [N, ROWW].
-# One block of D threads per vector pair; vector n = ((b * H) + h) * L + l.
+# One warp per vector pair, vector n = ((b * H) + h) * L + l; lane j holds dims [j * E, j * E + E)
+# (E = D / 32, or 1 with D lanes when D < 32). Reductions and the Walsh-Hadamard butterflies
+# across lanes are warp shuffles: no block barrier anywhere.
 ENCODE = r"""
-  const int n = blockIdx.x, d = threadIdx.x;
+  constexpr int E = D >= 32 ? D / 32 : 1;  // dims per lane
+  constexpr int LANES = D / E;              // lanes holding dims
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int n = blockIdx.x * (blockDim.x / 32) + warp;
   const int H = k_shape[1], L = k_shape[2];
+  if (n >= k_shape[0] * H * L) return;  // no block barrier follows: warps leave independently
   const int b = n / (H * L), h = (n / L) % H, l = n % L;
-  __shared__ float sx[D];
-  __shared__ float red[D];
-  __shared__ uint32_t sidx[D];
+  const bool live = lane < LANES;
+  __shared__ uint32_t sidx_all[4][D];  // blockDim.x <= 128
+  uint32_t* sidx = sidx_all[warp];
   uint32_t* row = out + (size_t)n * ROWW;
   __half* meta = reinterpret_cast<__half*>(row + MOFF);
 #pragma unroll
@@ -122,43 +128,70 @@ ENCODE = r"""
     const int GS = part == 0 ? KGS : VGS;
     const T* src = part == 0 ? k : v;
     const int64_t* st = part == 0 ? k_strides.data() : v_strides.data();
-    const float x = static_cast<float>(src[b * st[0] + h * st[1] + l * st[2] + d * st[3]]);
     uint32_t* codes = row + (part == 0 ? 0 : KWORDS);
     __half* pmeta = meta + (part == 0 ? 0 : KMH);
-    uint32_t q;
+    float x[E];
+    uint32_t q[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int d = lane * E + e;
+      x[e] = live ? static_cast<float>(src[b * st[0] + h * st[1] + l * st[2] + d * st[3]]) : 0.f;
+    }
     if (MODE == 2) {  // AURA
       const float* sign = part == 0 ? ksign : vsign;
-      sx[d] = x * sign[d];
-      red[d] = x * x;
-      fwht_shared<D>(sx, 1);
-      for (int s = D / 2; s > 0; s >>= 1) {  // norm^2 (fwht_shared ended with a barrier)
-        if (d < s) red[d] += red[d + s];
-        __syncthreads();
+      float ss = 0.f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        ss = fmaf(x[e], x[e], ss);
+        x[e] *= live ? sign[lane * E + e] : 0.f;
       }
-      const float norm = sqrtf(red[0]);
-      const float u = norm > 0.f ? sx[d] / norm : 0.f;  // sqrt(D) * (H s x / sqrt(D)) / |x|
+#pragma unroll
+      for (int len = 1; len < E; len <<= 1) {  // butterflies inside a lane
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          if ((e & len) == 0) {
+            const float a0 = x[e], a1 = x[e + len];
+            x[e] = a0 + a1;
+            x[e + len] = a0 - a1;
+          }
+        }
+      }
+#pragma unroll
+      for (int off = 1; off < LANES; off <<= 1) {  // butterflies across lanes (dims len = off * E apart)
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const float y = __shfl_xor_sync(0xffffffffu, x[e], off);
+          x[e] = (lane & off) ? y - x[e] : x[e] + y;
+        }
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      const float norm = sqrtf(ss);
       const float* th = thr + part * 256;
-      int lo = 0, hi = (1 << BITS) - 1;  // count of thresholds < u (ties go to the lower cell)
-      while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (th[mid] < u) lo = mid + 1; else hi = mid;
+      float cc = 0.f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float u = norm > 0.f ? x[e] / norm : 0.f;  // sqrt(D) * (H s x / sqrt(D)) / |x|
+        int lo = 0, hi = (1 << BITS) - 1;  // count of thresholds < u (ties go to the lower cell)
+        while (lo < hi) {
+          const int mid = (lo + hi) >> 1;
+          if (th[mid] < u) lo = mid + 1; else hi = mid;
+        }
+        q[e] = lo;
+        const float c = cb[part * 256 + lo];
+        cc = live ? fmaf(c, c, cc) : cc;
       }
-      q = lo;
-      const float c = cb[part * 256 + q];
-      __syncthreads();
-      red[d] = c * c;
-      __syncthreads();
-      for (int s = D / 2; s > 0; s >>= 1) {
-        if (d < s) red[d] += red[d + s];
-        __syncthreads();
-      }
-      if (d == 0) pmeta[0] = __float2half(norm / sqrtf(red[0]));
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) cc += __shfl_xor_sync(0xffffffffu, cc, off);
+      if (lane == 0) pmeta[0] = __float2half(norm / sqrtf(cc));
     } else {  // affine, MLX's CPU rule (mlx/backend/cpu/quantized.cpp `quantize`)
-      sx[d] = x;
-      __syncthreads();
-      const int g0 = (d / GS) * GS;
       float lo = INFINITY, hi = -INFINITY;
-      for (int j = 0; j < GS; ++j) { lo = fminf(lo, sx[g0 + j]); hi = fmaxf(hi, sx[g0 + j]); }
+#pragma unroll
+      for (int e = 0; e < E; ++e) { lo = fminf(lo, x[e]); hi = fmaxf(hi, x[e]); }
+      for (int off = 1; off < GS / E && off < 32; off <<= 1) {  // the lanes of this lane's group
+        lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
+        hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
+      }
       const float n_bins = (float)((1 << BITS) - 1);
       const bool side = fabsf(lo) > fabsf(hi);
       float scale = fmaxf((hi - lo) / n_bins, 1e-7f);
@@ -167,26 +200,31 @@ ENCODE = r"""
       const float q0 = rintf(edge / scale);
       float bias = 0.f;
       if (q0 != 0.f) { scale = edge / q0; bias = edge; }
-      q = (uint32_t)fminf(fmaxf(rintf((x - bias) / scale), 0.f), n_bins);
-      if (d == g0) {
-        pmeta[d / GS] = __float2half(scale);
-        pmeta[D / GS + d / GS] = __float2half(bias);
+#pragma unroll
+      for (int e = 0; e < E; ++e) q[e] = (uint32_t)fminf(fmaxf(rintf((x[e] - bias) / scale), 0.f), n_bins);
+      const int d0 = lane * E;
+      if (live && d0 % GS == 0) {
+        pmeta[d0 / GS] = __float2half(scale);
+        pmeta[D / GS + d0 / GS] = __float2half(bias);
       }
     }
-    sidx[d] = q;
-    __syncthreads();
-    if (d < D * BITS / 32) {  // word d of the bit stream
+    if (live) {
+#pragma unroll
+      for (int e = 0; e < E; ++e) sidx[lane * E + e] = q[e];
+    }
+    __syncwarp();
+    for (int w = lane; w < D * BITS / 32; w += 32) {  // word w of the bit stream
       uint32_t word = 0;
-      const int first = (32 * d) / BITS, last = (32 * d + 31) / BITS;
+      const int first = (32 * w) / BITS, last = (32 * w + 31) / BITS;
       for (int i = first; i <= last && i < D; ++i) {
-        const int shift = i * BITS - 32 * d;
+        const int shift = i * BITS - 32 * w;
         word |= shift >= 0 ? (sidx[i] << shift) : (sidx[i] >> (-shift));
       }
-      codes[d] = word;
+      codes[w] = word;
     }
-    __syncthreads();
+    __syncwarp();
   }
-  if (PADMETA && d == 0) meta[KMH + VMH] = __float2half(0.f);
+  if (PADMETA && lane == 0) meta[KMH + VMH] = __float2half(0.f);
 """
 
 PARTIAL = r"""
@@ -209,14 +247,18 @@ PARTIAL = r"""
     qs[i] = ROTATE ? x * qsign[i % D] : x;
   }
   if (ROTATE) fwht_shared<D>(qs, G); else __syncthreads();
+  for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i] *= fparams[0];
+  __syncthreads();
 
-  float qv[G][DPL], acc[G][DPL], m[G], l[G];
+  // QREG: each lane keeps its query slices in registers; else it reads them from shared memory
+  // (fewer registers, more resident warps).
+  float qv[QREG ? G : 1][QREG ? DPL : 1], acc[G][DPL], m[G], l[G];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     m[g] = -1e30f; l[g] = 0.f;
 #pragma unroll
     for (int i = 0; i < DPL; ++i) {
-      qv[g][i] = qs[g * D + d0 + i] * fparams[0];
+      if constexpr (QREG) qv[g][i] = qs[g * D + d0 + i];
       acc[g][i] = 0.f;
     }
   }
@@ -248,30 +290,37 @@ PARTIAL = r"""
         for (int i = 0; i < DPL; ++i) { kx[u][i] = 0.f; vx[u][i] = 0.f; }
       }
     }
+    float s[U][G];  // scores of the U tokens, then one max and one rescale for all of them
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      float s[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float x = 0.f;
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) x = fmaf(qv[g][i], kx[u][i], x);
+        for (int i = 0; i < DPL; ++i) x = fmaf(QREG ? qv[g][QREG ? i : 0] : qs[g * D + d0 + i], kx[u][i], x);
 #pragma unroll
         for (int off = LPT / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-        s[g] = x * ks[u];
+        s[u][g] = x * ks[u];
       }
-      if (valid[u]) {
+    }
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float mn = fmaxf(m[g], s[g]);
-          const float a = exp2f(m[g] - mn), p = exp2f(s[g] - mn);
-          l[g] = fmaf(l[g], a, p);
-          const float pv = p * vs[u];
+    for (int g = 0; g < G; ++g) {
+      float mn = m[g];
 #pragma unroll
-          for (int i = 0; i < DPL; ++i) acc[g][i] = fmaf(acc[g][i], a, pv * vx[u][i]);
-          m[g] = mn;
-        }
+      for (int u = 0; u < U; ++u) mn = valid[u] ? fmaxf(mn, s[u][g]) : mn;
+      const float a = exp2f(m[g] - mn);
+      l[g] *= a;
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) acc[g][i] *= a;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float p = valid[u] ? exp2f(s[u][g] - mn) : 0.f;
+        l[g] += p;
+        const float pv = p * vs[u];
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[g][i] = fmaf(pv, vx[u][i], acc[g][i]);
       }
+      m[g] = mn;
     }
   }
 
@@ -300,28 +349,51 @@ PARTIAL = r"""
   }
 """
 
-# One block of D threads per (query head, row). Sinks are in natural-log units; the merge
-# works in log2 units (partial scores were scaled by log2(e)).
+# One block of D * R threads per (query head, row): thread (r, d) merges dim d of splits r, r + R, ...,
+# then the R partial sums meet in shared memory (R = blockDim.x / D, a power of two). Sinks are in
+# natural-log units; the merge works in log2 units (partial scores were scaled by log2(e)).
 COMBINE = r"""
-  const int d = threadIdx.x, hq = blockIdx.y, b = blockIdx.z;
+  constexpr int NT = 512;  // threads per block at most (D * R)
+  const int d = threadIdx.x % D, r = threadIdx.x / D, R = blockDim.x / D;
+  const int hq = blockIdx.y, b = blockIdx.z;
   const int Hq = o_part_shape[1], S = o_part_shape[2];
   const size_t row = (size_t)b * Hq + hq;
   const float* mlp = ml_part + row * S * 2;
   const float sink = HAS_SINK ? static_cast<float>(sinks[hq]) * 1.4426950408889634f : -1e30f;
+  __shared__ float red_o[NT], red_l[NT];
   float M = sink;
-  for (int s = 0; s < S; ++s) M = fmaxf(M, mlp[2 * s]);
-  float L = HAS_SINK ? exp2f(sink - M) : 0.f, O = 0.f;
-  for (int s = 0; s < S; ++s) {
+  for (int s = threadIdx.x; s < S; s += blockDim.x) M = fmaxf(M, mlp[2 * s]);
+  red_o[threadIdx.x] = M;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+    if (threadIdx.x < w) red_o[threadIdx.x] = fmaxf(red_o[threadIdx.x], red_o[threadIdx.x + w]);
+    __syncthreads();
+  }
+  M = red_o[0];
+  __syncthreads();
+  float L = 0.f, O = 0.f;
+  for (int s = r; s < S; s += R) {
     const float f = exp2f(mlp[2 * s] - M);
     L = fmaf(mlp[2 * s + 1], f, L);
     O = fmaf(o_part[(row * S + s) * D + d], f, O);
   }
-  float y = L > 0.f ? O / L : 0.f;
+  red_o[threadIdx.x] = O;
+  red_l[threadIdx.x] = L;
+  __syncthreads();
+  for (int w = R / 2; w > 0; w >>= 1) {
+    if (r < w) {
+      red_o[threadIdx.x] += red_o[threadIdx.x + w * D];
+      red_l[threadIdx.x] += red_l[threadIdx.x + w * D];
+    }
+    __syncthreads();
+  }
+  L = red_l[d] + (HAS_SINK ? exp2f(sink - M) : 0.f);
+  float y = L > 0.f ? red_o[d] / L : 0.f;
   if (UNROTATE) {
     __shared__ float v[D];
-    v[d] = y;
+    if (r == 0) v[d] = y;
     fwht_shared<D>(v, 1);
     y = v[d] * vsign[d] * rsqrtf((float)D);
   }
-  out[row * D + d] = static_cast<T>(y);
+  if (r == 0) out[row * D + d] = static_cast<T>(y);
 """

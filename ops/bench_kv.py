@@ -98,7 +98,7 @@ def load(args):
 def geometry(model) -> tuple[int, int, int]:
     """(n_layers, n_kv_heads, head_dim) of an mlx-lm llama-style model."""
     attn = model.layers[0].self_attn
-    return len(model.layers), attn.n_kv_heads, attn.k_proj.weight.shape[0] // attn.n_kv_heads
+    return len(model.layers), attn.n_kv_heads, attn.head_dim
 
 
 def fill_random(caches: list, model, num_tokens: int, chunk: int) -> None:
@@ -129,41 +129,49 @@ def decode_rate(core, requests, warmup: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def decode_row(loaded, scheme: str, context: int, args) -> dict:
-    """Fill `--streams` slots with `context` tokens each, then time the engine's decode."""
+def decode_run(loaded, scheme: str, context: int, args) -> dict:
+    """One timed run: fill `--streams` slots with `context` tokens each, then time the engine's decode."""
     from ops.engine_fill import filled_engine
     from services.engine.cache import schemes
 
     gc.collect()
     mx.clear_cache()
     weights = args.weights_bytes  # active memory right after loading: leftovers of earlier rows count against this row
-    mx.reset_peak_memory()
     streams = args.streams
     if args.memory_budget_gib:  # as many streams as the budget's KV capacity holds
         per_token = schemes.bytes_per_token(scheme, model=loaded.model)
         streams = int(args.memory_budget_gib * 2**30 // per_token) // (context + args.warmup + args.steps + 32)
-    best, peak = 0.0, 0
-    for _ in range(args.repeats):  # a fresh engine per run: its sessions are consumed
-        core, requests = filled_engine(loaded, scheme, [context] * streams, max_tokens=args.warmup + args.steps,
-                                       decode_window=args.decode_window)
-        kv_bytes = sum(core.cache.slots.nbytes(s.slot) for s in core.scheduler.sessions.values())
-        capacity_bytes = sum(a.nbytes for a in core.cache.arrays)
-        mx.reset_peak_memory()  # decode's peak: the fill's temporaries do not count
-        best = max(best, decode_rate(core, requests, args.warmup))
-        peak = max(peak, mx.get_peak_memory())
-        del core, requests
-        gc.collect()
-    return {"scheme": scheme, "context_tokens": context, "streams": streams, "decode_tokens_per_s": best,
+    mx.reset_peak_memory()
+    core, requests = filled_engine(loaded, scheme, [context] * streams, max_tokens=args.warmup + args.steps,
+                                   decode_window=args.decode_window)
+    kv_bytes = sum(core.cache.slots.nbytes(s.slot) for s in core.scheduler.sessions.values())
+    capacity_bytes = sum(a.nbytes for a in core.cache.arrays)
+    mx.reset_peak_memory()  # decode's peak: the fill's temporaries do not count
+    rate = decode_rate(core, requests, args.warmup)
+    peak = mx.get_peak_memory()
+    del core, requests
+    gc.collect()
+    return {"scheme": scheme, "context_tokens": context, "streams": streams, "decode_tokens_per_s": rate,
             "kv_nbytes_after_fill": kv_bytes, "kv_bytes_per_token": kv_bytes / (context * streams),
             "pool_bytes": capacity_bytes, "peak_memory_bytes": peak, "peak_over_weights_bytes": peak - weights}
 
 
 def run_decode(loaded, args) -> list[dict]:
+    """Per context, `--repeats` rounds over every scheme (a fresh engine per run, schemes alternating so
+    drift in the host's speed falls on all of them); each scheme's fastest run counts, its highest peak."""
     rows = []
     for context in args.contexts:
-        for scheme in args.schemes:
-            rows.append(decode_row(loaded, scheme, context, args))
-            print(json.dumps(rows[-1]), flush=True)
+        runs: dict[str, list[dict]] = {scheme: [] for scheme in args.schemes}
+        for _ in range(args.repeats):
+            for scheme in args.schemes:
+                runs[scheme].append(decode_run(loaded, scheme, context, args))
+        for scheme, done in runs.items():
+            row = max(done, key=lambda r: r["decode_tokens_per_s"])
+            row = {**row, "peak_memory_bytes": max(r["peak_memory_bytes"] for r in done),
+                   "peak_over_weights_bytes": max(r["peak_over_weights_bytes"] for r in done),
+                   "runs_tokens_per_s": [round(r["decode_tokens_per_s"], 1) for r in done]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     raw = {r["context_tokens"]: r["decode_tokens_per_s"] for r in rows if r["scheme"] == "raw"}
     for r in rows:
         r["ratio_to_raw"] = r["decode_tokens_per_s"] / raw[r["context_tokens"]] if r["context_tokens"] in raw else None

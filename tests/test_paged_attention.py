@@ -146,6 +146,11 @@ def _nan_pool(rows: int, width: int, dtype: mx.Dtype) -> mx.array:
 IMPLEMENTATIONS = ("mlx-ops", "cuda") if ON_CUDA else ("mlx-ops",)
 
 
+def implementations(fmt: LayerFormat) -> tuple[str, ...]:
+    """The paths that serve `fmt` here (the CUDA kernels take regular formats only)."""
+    return tuple(i for i in IMPLEMENTATIONS if i != "cuda" or fmt.is_regular)
+
+
 def run_decode(store: Store, q: mx.array, scale: float, sinks, impl: str):
     table, lengths = mx.array(store.page_table.astype(np.int32)), mx.array(np.array(store.lengths, np.int32))
     if impl == "cuda":
@@ -204,7 +209,7 @@ def test_decode_matches_float64_reference(scheme, head_dim, group, lengths, with
     q = mx.array(rng.standard_normal((len(lengths), heads * group, 1, fmt.key_dim)).astype(np.float32)).astype(DTYPE)
     sinks = mx.array(rng.standard_normal(heads * group).astype(np.float32)) if with_sinks else None
     scale = 1 / math.sqrt(fmt.key_dim)
-    for impl in IMPLEMENTATIONS:
+    for impl in implementations(fmt):
         got = as_np(run_decode(store, q, scale, sinks, impl))
         assert np.isfinite(got).all(), impl
         for b, n in enumerate(lengths):
@@ -212,6 +217,33 @@ def test_decode_matches_float64_reference(scheme, head_dim, group, lengths, with
             want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, scale,
                                  np.ones((1, n), bool), None if sinks is None else as_np(sinks).astype(np.float64))
             np.testing.assert_allclose(got[b], want, atol=tolerance(), err_msg=f"{impl} row {b}")
+
+
+TUNINGS = [cuda_kv.Tuning(), cuda_kv.Tuning(8, 2, 4, 2, False), cuda_kv.Tuning(16, 1, 4, 2, True),
+           cuda_kv.Tuning(16, 2, 4, 8, False), cuda_kv.Tuning(8, 4, 8, 1, False)]
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the launch shapes are the CUDA kernel's")
+@pytest.mark.parametrize("tuning", TUNINGS, ids=str)
+@pytest.mark.parametrize("scheme, head_dim, group", [("raw", 64, 4), ("affine4", 128, 2), ("aura4v4", 64, 4),
+                                                     ("aura8v4", 128, 8), ("affine6", 256, 1)])
+def test_every_launch_shape_matches_float64_reference(tuning, scheme, head_dim, group):
+    """Unrolled tokens, wide lanes, many splits (the combine merging them in parallel): same attention."""
+    fmt = layer_format(scheme, head_dim)
+    lengths = (1, 17, 300, 2049)
+    store = Store(fmt, lengths, 2, seed=head_dim + group)
+    rng = np.random.default_rng(11)
+    q = mx.array(rng.standard_normal((len(lengths), 2 * group, 1, head_dim)).astype(np.float32)).astype(DTYPE)
+    sinks = mx.array(rng.standard_normal(2 * group).astype(np.float32))
+    scale = 1 / math.sqrt(head_dim)
+    table, lens = mx.array(store.page_table.astype(np.int32)), mx.array(np.array(lengths, np.int32))
+    got = as_np(cuda_kv.decode_attention(q, fmt, tuple(store.pools), None, table, lens, n_kv_heads=2, page_size=PAGE,
+                                         scale=scale, sinks=sinks, tuning=tuning))
+    for b, n in enumerate(lengths):
+        keys, values = decode_rows_ref(fmt, store.stored[b])
+        want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, scale, np.ones((1, n), bool),
+                             as_np(sinks).astype(np.float64))
+        np.testing.assert_allclose(got[b], want, atol=tolerance(), err_msg=f"row {b}")
 
 
 @pytest.mark.parametrize("scheme", ["raw", "affine8", "aura4v2"])
@@ -222,7 +254,7 @@ def test_decode_reads_tail_pages(scheme, dims):
     store = Store(fmt, (1, 16, 17, 40), 2, seed=9)
     store.move_last_pages_to_tail()
     q = mx.array(np.random.default_rng(4).standard_normal((4, 8, 1, fmt.key_dim)).astype(np.float32)).astype(DTYPE)
-    for impl in IMPLEMENTATIONS:
+    for impl in implementations(fmt):
         got = as_np(run_decode(store, q, 0.125, None, impl))
         for b, n in enumerate(store.lengths):
             keys, values = decode_rows_ref(fmt, store.stored[b])

@@ -20,6 +20,7 @@ from shared.errors import BadRequest, ButtermilkError
 from .cache.batched import BatchedKVCache
 from .cache.factory import CacheOptions
 from .cache.report import geometry as model_geometry
+from .model.fuse import fuse_projections
 from .model.loader import LoadedModel
 from .request import Request, RequestStatus
 from .runner import Launch, ModelRunner
@@ -73,6 +74,9 @@ class EngineStats:
 class EngineCore:
     """The engine's inner loop: requests in, token batches out.
 
+    The engine fuses the model's sibling projections in place (`model.fuse`: one matmul for
+    q/k/v and one for gate/up): the model computes the same function with fewer kernels.
+
     Args:
         loaded (LoadedModel): Model and tokenizer (EOS ids end requests).
         options (CacheOptions): Scheme, window and context cap.
@@ -116,6 +120,7 @@ class EngineCore:
             eos_token_ids=loaded.tokenizer.eos_token_ids,
             decode_window=min([decode_window, *(w.ring for w in self.cache.windows if w is not None)]),
         )
+        fuse_projections(loaded.model)  # in place: one matmul for q/k/v and for gate/up (fewer launches)
         self.runner = ModelRunner(loaded.model, self.cache)
         self._check_geometry()
         self._in_flight: tuple[StepPlan, Launch] | None = None

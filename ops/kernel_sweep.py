@@ -1,0 +1,133 @@
+"""Sweep the launch shape of the fused paged decode kernel (`kernels.cuda_kv.Tuning`) on the GPU.
+
+For each model shape, scheme and (streams, context), builds one layer's worth of page pools per
+layer of the model (random codes, finite meta: the kernel's cost does not depend on the values),
+then times the model's attention layers back to back (every layer's pools are distinct, so the
+L2 cache does not hold them) for each tuning, best of `--repeats`. GPU time per decode step's
+attention is what it reports (ms), with the bytes each step reads and the bandwidth that implies.
+
+    python -m ops.kernel_sweep                      # CUDA only; writes ops/results/kernel_sweep_gpu.json
+
+Prints JSON (not a test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from kernels import cuda_kv
+from kernels.cuda_kv import Tuning
+from services.engine.cache.schemes import layer_format
+
+RESULTS = Path(__file__).parent / "results"
+PAGE = 16
+# (name, layers, query heads, kv heads, head_dim)
+SHAPES = {"llama-1b": (16, 32, 8, 64), "qwen3-1.7b": (28, 16, 8, 128)}
+
+
+def _pools(fmt, rows: int) -> tuple[mx.array, ...]:
+    out = []
+    for width, dtype in fmt.pool_specs():
+        if dtype == mx.uint32:  # random codes; meta halves 0x3C00 (1.0) so every value is finite
+            codes = mx.random.randint(0, 2**31, (rows, width)).astype(mx.uint32)
+            meta = mx.full((rows, width - fmt.meta_offset), 0x3C003C00, dtype=mx.uint32)
+            out.append(mx.concatenate([codes[:, : fmt.meta_offset], meta], axis=1))
+        else:
+            out.append(mx.random.normal((rows, width)).astype(dtype))
+    return tuple(out)
+
+
+def layer_timer(fmt, shape, streams: int, context: int):
+    """A function `(tuning, repeats, iters) -> ms` timing every layer's decode attention over fresh pools."""
+    layers, n_heads, n_kv, head_dim = shape
+    pages_per_row = -(-context // PAGE)
+    num_pages = streams * pages_per_row
+    rows = n_kv * num_pages * PAGE
+    pools = [_pools(fmt, rows) for _ in range(layers)]
+    table = mx.array(np.arange(num_pages, dtype=np.int32).reshape(streams, pages_per_row))
+    lengths = mx.full((streams,), context, dtype=mx.int32)
+    q = mx.random.normal((streams, n_heads, 1, head_dim)).astype(mx.bfloat16)
+    mx.eval(pools, table, lengths, q)
+
+    def step(tuning):
+        out = q
+        for layer in pools:  # each layer's query depends on the last layer's output: serial, like a model
+            out = cuda_kv.decode_attention(out, fmt, layer, None, table, lengths, n_kv_heads=n_kv, page_size=PAGE,
+                                           scale=head_dim**-0.5, tuning=tuning)
+        return out
+
+    def timed(tuning: Tuning, repeats: int, iters: int) -> float:
+        mx.eval(step(tuning))
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            mx.eval([step(tuning) for _ in range(iters)])
+            best = min(best, (time.perf_counter() - start) / iters)
+        return best * 1e3
+
+    return timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="llama-1b,qwen3-1.7b")
+    parser.add_argument("--schemes", default="raw,affine8,affine4,aura8v4,aura4v4")
+    parser.add_argument("--cases", default="1x32768,32x8192", help="streams x context")
+    parser.add_argument("--dims-per-lane", default="8,16")
+    parser.add_argument("--unroll", default="1,2,4")
+    parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--waves", default="4,16")
+    parser.add_argument("--query-in-registers", default="1")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--out", default=str(RESULTS / "kernel_sweep_gpu.json"))
+    args = parser.parse_args()
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    tunings = [Tuning(*t) for t in itertools.product(ints(args.dims_per_lane), ints(args.unroll), ints(args.warps),
+                                                      ints(args.waves), map(bool, ints(args.query_in_registers)))]
+    results = []
+    for model, scheme, case in itertools.product(args.models.split(","), args.schemes.split(","),
+                                                 args.cases.split(",")):
+        shape = SHAPES[model]
+        streams, context = map(int, case.split("x"))
+        fmt = layer_format(scheme, layer=0, dtype=mx.bfloat16, head_dim=shape[3])
+        timings, timed = {}, layer_timer(fmt, shape, streams, context)
+        for tuning in tunings:
+            try:
+                timings[tuning] = timed(tuning, args.repeats, args.iters)
+            except Exception as exc:  # a shape the kernel cannot compile (registers, shared memory)
+                timings[tuning] = float("nan")
+                print("skip", model, scheme, case, tuning, repr(exc)[:200], flush=True)
+        default = timings.get(Tuning(), float("nan"))
+        best = min((t for t in timings if timings[t] == timings[t]), key=timings.get)
+        read = shape[0] * streams * context * shape[2] * fmt.bytes_per_row
+        row = {"model": model, "scheme": scheme, "streams": streams, "context": context,
+               "default_ms": round(default, 4), "best_ms": round(timings[best], 4), "best": vars_of(best),
+               "bytes_read": read, "best_tb_s": round(read / timings[best] / 1e9, 3),
+               "all": [{**vars_of(t), "ms": round(ms, 4)} for t, ms in timings.items()]}
+        results.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "all"}), flush=True)
+        _write(args.out, results)
+        del timed
+        mx.clear_cache()
+
+
+def _write(path: str, results: list[dict]) -> None:
+    out = {"device": str(mx.default_device()), "mlx": mx.__version__, "page_size": PAGE, "results": results}
+    Path(path).write_text(json.dumps(out, indent=1))
+
+
+def vars_of(t: Tuning) -> dict:
+    return {"dims_per_lane": t.dims_per_lane, "unroll": t.unroll, "warps": t.warps, "waves": t.waves,
+            "query_in_registers": t.query_in_registers}
+
+
+if __name__ == "__main__":
+    main()
