@@ -347,11 +347,13 @@ def test_latent_operands_and_mask_match_reference(scheme, window):
     np.testing.assert_array_equal(decode_mask[:, 0, 0], np.arange(width)[None] < np.array(lengths)[:, None])
 
 
-def test_chunked_history_equals_one_chunk(monkeypatch):
+@pytest.mark.parametrize("scheme, dims", [("aura4v4", 64), ("aura3v5", 80), ("aura8v4", (192, 128)), ("affine4", 64),
+                                          ("raw", 64)])
+def test_chunked_history_equals_one_chunk(monkeypatch, scheme, dims):
     """The online softmax over many chunks equals one pass (temporary memory O(chunk))."""
-    fmt = LayerFormat(*SCHEMES["aura4v4"](DTYPE), 64)
+    fmt = layer_format(scheme, dims)
     store = Store(fmt, (70, 3, 129), 2, seed=5)
-    q = mx.array(np.random.default_rng(1).standard_normal((3, 4, 1, 64)).astype(np.float32)).astype(DTYPE)
+    q = mx.array(np.random.default_rng(1).standard_normal((3, 4, 1, fmt.key_dim)).astype(np.float32)).astype(DTYPE)
     one = as_np(run_decode(store, q, 0.125, None, "mlx-ops"))
     monkeypatch.setattr(pa, "CHUNK_TOKENS", PAGE)
     many = as_np(run_decode(store, q, 0.125, None, "mlx-ops"))
