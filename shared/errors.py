@@ -1,9 +1,10 @@
-"""Typed errors shared by every service, one subclass per stable wire code.
+"""Typed errors shared by every service, one subclass per stable wire code that is raised.
 
 A `ButtermilkError` raised anywhere in a request's path becomes an
 `error {id, code, message}` frame on the wire (see docs/protocol.md); anything
 else becomes `internal`. `retryable` tells a client whether the same request
-may succeed later.
+may succeed later. `cancelled` has no subclass: nothing raises it; the gateway and controller
+build that `error` message directly when a lease, session or connection ends.
 """
 
 from __future__ import annotations
@@ -95,12 +96,6 @@ class Unavailable(ButtermilkError):
 
     code = ErrorCode.UNAVAILABLE
     retryable = True
-
-
-class Cancelled(ButtermilkError):
-    """The request was cancelled by its client."""
-
-    code = ErrorCode.CANCELLED
 
 
 class CapacityExhausted(ButtermilkError):

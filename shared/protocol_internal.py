@@ -107,7 +107,6 @@ class EngineFinished(WireMessage):
     reason: Reason
     usage: Usage
     tokens_held: Count | None = None  # the session's KV kept after this request; None: none kept
-    bytes_held: Count = 0
     code: Code | None = None  # when reason=error: the error's stable code
     message: ErrorText | None = None  # when reason=error
     refused: bool = False  # reason=error before the request ran: the session is unchanged
@@ -127,12 +126,8 @@ class Heartbeat(WireMessage):
     TYPE = MessageType.HEARTBEAT
     engine_id: Id
     epoch: Epoch
-    num_running: Count = 0  # requests not finished (waiting or running)
-    num_waiting: Count = 0  # of those, waiting for a slot (0: not reported)
     tokens_used: Count = 0  # KV tokens held, requests and sessions together
-    bytes_used: Count = 0
     used_slots: Count = 0  # slots held, sessions between turns included
-    num_sessions: Count = 0  # sessions kept between turns
     capacity_tokens: Count = 0  # KV token slots of its cache (0: not reported)
     prefix_cache: PrefixCacheUsage | None = None  # None: the engine has no prefix cache
 

@@ -81,15 +81,13 @@ class Stop:
 
 @dataclass(slots=True)
 class Snapshot:
-    """What heartbeats report; replaced whole by the main thread, read by the socket thread."""
+    """What heartbeats and the status line report; replaced whole by the main thread, read by the socket thread."""
 
-    num_running: int = 0
-    num_waiting: int = 0
+    num_running: int = 0  # requests not finished (waiting or running); for the status line
+    num_waiting: int = 0  # of those, waiting for a slot; for the status line
     tokens_used: int = 0
     capacity_tokens: int = 0
-    bytes_used: int = 0
     used_slots: int = 0
-    num_sessions: int = 0
     prefix_cache: PrefixCacheUsage | None = None
 
 
@@ -181,10 +179,8 @@ class EngineIO(threading.Thread):
     def _heartbeat(self) -> Heartbeat:
         s = self.snapshot
         return Heartbeat(
-            engine_id=self.hello.engine_id, epoch=self.hello.epoch, num_running=s.num_running,
-            num_waiting=s.num_waiting, tokens_used=s.tokens_used, bytes_used=s.bytes_used,
-            used_slots=s.used_slots, num_sessions=s.num_sessions, capacity_tokens=s.capacity_tokens,
-            prefix_cache=s.prefix_cache,
+            engine_id=self.hello.engine_id, epoch=self.hello.epoch, tokens_used=s.tokens_used,
+            used_slots=s.used_slots, capacity_tokens=s.capacity_tokens, prefix_cache=s.prefix_cache,
         )  # fmt: skip
 
 
@@ -392,7 +388,6 @@ class EngineService:
         return EngineFinished(
             engine_id=self.hello.engine_id, epoch=self.hello.epoch, id=request_id, reason=reason,
             usage=usage, tokens_held=held,
-            bytes_held=held * stats.bytes_per_token + (held > 0) * stats.state_bytes_per_slot if held is not None else 0,
             code=error.code if failed else None,
             message=error.message[:MAX_ERROR_CHARS] if failed else None, refused=refused,
         )  # fmt: skip
@@ -408,9 +403,7 @@ class EngineService:
         ) if self.core.has_prefix_cache else None  # fmt: skip
         return Snapshot(
             num_running=len(self.running), num_waiting=len(self.core.scheduler.waiting), tokens_used=used,
-            capacity_tokens=stats.capacity_tokens,
-            bytes_used=used * stats.bytes_per_token + stats.used_slots * stats.state_bytes_per_slot,
-            used_slots=stats.used_slots, num_sessions=len(stats.sessions), prefix_cache=prefix,
+            capacity_tokens=stats.capacity_tokens, used_slots=stats.used_slots, prefix_cache=prefix,
         )  # fmt: skip
 
     def _log_status(self, s: Snapshot) -> None:
