@@ -36,7 +36,7 @@ from services.engine.cache import CacheOptions
 from services.engine.core import EngineCore
 from services.engine.model.loader import LoadedModel, load_model
 from services.engine.request import Request
-from services.engine.sampling import SamplingParams
+from shared.protocol import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -25,7 +25,7 @@ RESULTS = Path(__file__).parent / "results"
 def ours(loaded, options, ids, max_tokens):
     from services.engine.cache import make_layer_caches
     from services.engine.generate import GenerationStats, generate
-    from services.engine.sampling import SamplingParams
+    from shared.protocol import SamplingParams
 
     stats = GenerationStats()
     caches = make_layer_caches(loaded.model, options)

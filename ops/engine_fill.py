@@ -16,7 +16,7 @@ from services.engine.cache import CacheOptions, pool_rows
 from services.engine.core import EngineCore
 from services.engine.model.loader import LoadedModel
 from services.engine.request import Request
-from services.engine.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from services.engine.scheduler import Session
 
 FILL_CHUNK = 1024  # tokens encoded at once per layer (bounds the fill's temporary memory)

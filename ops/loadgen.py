@@ -63,7 +63,7 @@ def baseline_generate(loaded, ids: list[int], max_tokens: int) -> dict:
     """Single-sequence in-process generation: TTFT and per-token decode time, seconds."""
     from services.engine.cache import CacheOptions, make_layer_caches
     from services.engine.generate import GenerationStats, generate
-    from services.engine.sampling import SamplingParams
+    from shared.protocol import SamplingParams
 
     stats = GenerationStats()
     caches = make_layer_caches(loaded.model, CacheOptions(max_context=4096))
@@ -80,7 +80,7 @@ def baseline_engine_core(loaded, ids: list[int], max_tokens: int) -> dict:
     from services.engine.cache import CacheOptions
     from services.engine.core import EngineCore
     from services.engine.request import Request
-    from services.engine.sampling import SamplingParams
+    from shared.protocol import SamplingParams
 
     core = EngineCore(loaded, CacheOptions(max_context=4096), capacity_tokens=4096, max_slots=8,
                       step_token_budget=256)  # fmt: skip

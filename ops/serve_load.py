@@ -182,7 +182,7 @@ class WireLoad:
 def core_level(core, workload: Workload, concurrency: int) -> list[RequestRecord]:
     """The same closed loop driven straight into `core` (an `EngineCore`; no sockets)."""
     from services.engine.request import Request
-    from services.engine.sampling import SamplingParams
+    from shared.protocol import SamplingParams
 
     records: dict[str, RequestRecord] = {}
     sent = dict.fromkeys(range(concurrency), 0)

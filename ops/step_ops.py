@@ -48,7 +48,7 @@ def main() -> None:
     from services.engine.cache import CacheOptions
     from services.engine.core import EngineCore
     from services.engine.request import Request
-    from services.engine.sampling import SamplingParams
+    from shared.protocol import SamplingParams
     from services.engine import runner as runner_module
 
     loaded = _load(args.random_model)

@@ -36,7 +36,7 @@ def main() -> None:
     from services.engine.cache import CacheOptions, Window, make_layer_caches
     from services.engine.generate import GenerationStats, generate
     from services.engine.model.loader import load_model
-    from services.engine.sampling import SamplingParams
+    from shared.protocol import SamplingParams
 
     loaded = load_model("default")
     loaded.tokenizer.eos_token_ids = set()  # run the full length

@@ -11,6 +11,7 @@ from typing import Annotated
 from pydantic import Field
 
 from shared.protocol_base import (
+    DEFAULT_MAX_TOKENS,
     MAX_LIST_ITEMS,
     Code,
     Count,
@@ -61,11 +62,16 @@ class Hello(WireMessage):
 
 
 class SamplingParams(Struct):
-    max_tokens: MaxTokens  # already capped by the gateway
-    temperature: Temperature = 0.0
-    top_p: TopP = 1.0
-    top_k: TopK | None = None
-    seed: Seed | None = None
+    """How to pick one request's tokens: `engine_generate.sampling`, and the engine's own record.
+
+    The one definition for the wire and the engine (`services/engine/sampling.py` samples with it).
+    """
+
+    max_tokens: MaxTokens = DEFAULT_MAX_TOKENS  # tokens to generate at most; the gateway sends it capped
+    temperature: Temperature = 0.0  # below 1e-5: greedy (argmax)
+    top_p: TopP = 1.0  # nucleus mass in (0, 1]; 1 disables it
+    top_k: TopK | None = None  # keep the k most likely tokens; None (or k >= vocabulary) disables it
+    seed: Seed | None = None  # the request's PRNG seed; None: the engine draws one
 
 
 class EngineGenerate(WireMessage):

@@ -136,7 +136,7 @@ def reference_generation(loaded, token_ids: list[int], max_tokens: int, max_cont
     """Greedy in-process generation with a raw KVCache: (text, token ids incl. EOS, reason)."""
     from services.engine.cache import CacheOptions, make_layer_caches
     from services.engine.generate import GenerationStats, generate
-    from services.engine.sampling import SamplingParams
+    from shared.protocol import SamplingParams
 
     caches = make_layer_caches(loaded.model, CacheOptions(max_context=max_context))
     stats = GenerationStats()

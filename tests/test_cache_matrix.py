@@ -25,7 +25,7 @@ from services.engine.cache.recurrent import leaf_caches
 from services.engine.cache.report import bits_per_element
 from services.engine.cache.schemes import SCHEMES
 from services.engine.request import Request
-from services.engine.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from services.eval.corpus import corpus_token_ids
 from services.eval.kv_eval import score_chunks
 from services.eval.metrics import logprob_chunks

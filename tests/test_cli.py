@@ -77,9 +77,9 @@ def test_unknown_kv_cache_scheme_lists_choices():
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("generate", "--prompt", "hi", "--seed", "-1"), "seed must be in [0, 2**63)"),
+    (("generate", "--prompt", "hi", "--seed", "-1"), "seed: Input should be greater than or equal to 0"),
     (("generate", "--prompt", ""), "the prompt is empty"),
-    (("generate", "--prompt", "hi", "--temperature", "nan"), "temperature must be a finite number"),
+    (("generate", "--prompt", "hi", "--temperature", "nan"), "temperature: Input should be a finite number"),
     (("inspect", "--kv-cache", "aura9v9"), "--kv-cache"),
     (("generate", "--prompt", "hi", "--max-context", "0"), "max_context: Input should be greater than or equal to 1"),
 ])

@@ -17,7 +17,8 @@ from services.engine.core import EngineCore
 from services.engine.generate import GenerationStats, generate
 from services.engine.model.loader import LoadedModel
 from services.engine.request import Request, RequestStatus
-from services.engine.sampling import RequestSampler, SamplingParams
+from services.engine.sampling import RequestSampler
+from shared.protocol import SamplingParams
 from services.engine.scheduler import Scheduler
 from shared.errors import BadRequest, CapacityExhausted, ContextOverflow
 from tests.batching_helpers import make_tiny_mixed_llama

@@ -10,7 +10,7 @@ import pytest
 
 from services.engine.cache import CacheOptions, Window
 from services.engine.request import Request
-from services.engine.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from services.engine.service import EngineAddresses, EngineService, Stop
 from shared import protocol as p
 from shared.errors import BadRequest, ErrorCode, Unavailable

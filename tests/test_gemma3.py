@@ -176,7 +176,7 @@ def test_greedy_text_matches_mlx_lm_caches(gemma):
 
     from services.engine.cache import CacheOptions, make_layer_caches
     from services.engine.generate import GenerationStats, generate
-    from services.engine.sampling import SamplingParams
+    from shared.protocol import SamplingParams
 
     tok = gemma.tokenizer
     prompts = [tok.encode("The Eiffel Tower is located in the city of"), tok.encode("def fibonacci(n):"),

@@ -30,7 +30,7 @@ from services.engine.cache.persist import load_caches, save_caches
 from services.engine.cache.schemes import SCHEMES
 from services.engine.generate import GenerationStats, generate
 from services.engine.request import Request
-from services.engine.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.geometry_models import GEOMETRIES, VOCAB, make_geometry_model, make_kimi_k25
 from tests.test_batched_cache import make_cache, reference_logits, run_batched
 from tests.test_engine_core import assert_all_free, drive, make_core, tiny_loaded

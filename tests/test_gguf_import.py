@@ -21,7 +21,7 @@ from services.engine.model import gguf as gguf_importer
 from services.engine.model import paths as model_paths
 from services.engine.model.gguf import convert_gguf
 from services.engine.model.paths import default_gguf_path, resolve_model
-from services.engine.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from shared.errors import ModelNotFound
 
 pytestmark = pytest.mark.model

@@ -25,7 +25,7 @@ from services.engine.cache.protocol import AttendingCache, LayerCache
 from services.engine.cache.recurrent import leaf_caches
 from services.engine.cache.report import layer_reports, state_bytes_per_slot
 from services.engine.request import Request
-from services.engine.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.hybrid_models import FAMILIES, hand_state_bytes, loaded_hybrid, make_hybrid, uncompiled
 from tests.test_engine_core import assert_all_free, drive, greedy, make_core, random_prompts
 

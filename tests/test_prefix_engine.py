@@ -14,7 +14,7 @@ from services.engine.cache import CacheOptions, Window
 from services.engine.cache.schemes import SCHEMES
 from services.engine.core import EngineCore
 from services.engine.request import Request
-from services.engine.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from services.eval.corpus import corpus_token_ids
 from tests.test_engine_core import greedy, random_prompts, tiny_loaded
 

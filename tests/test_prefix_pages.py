@@ -17,7 +17,7 @@ from services.engine.cache.batched import BatchedKVCache
 from services.engine.cache.pages import LayerBudget, SlotTable
 from services.engine.cache.prefix import format_root, page_hashes
 from services.engine.request import Request
-from services.engine.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from services.engine.scheduler import Scheduler
 from shared.errors import CapacityExhausted
 

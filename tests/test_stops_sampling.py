@@ -7,8 +7,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.engine.sampling import RequestSampler, SamplingParams
-from services.engine.stops import StopMatcher
+from services.engine.sampling import RequestSampler
+from shared.protocol import SamplingParams
+from shared.text_stream import StopMatcher
 
 
 @settings(max_examples=300, deadline=None)

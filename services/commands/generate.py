@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables it (default)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -49,21 +49,25 @@ def run(args: argparse.Namespace) -> int:
     from services.engine.cache import make_layer_caches
     from services.engine.generate import GenerationStats, generate
     from services.engine.runtime import open_model
-    from services.engine.sampling import SamplingParams
+    from pydantic import ValidationError
+
+    from shared.client import one_line
+    from shared.protocol import SamplingParams
 
     settings = settings_from_args(args)
     configure_logging(json=settings.log_json, level=settings.log_level)
     loaded, options = open_model(settings)
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
-    )
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or None,
+                                seed=args.seed, max_tokens=args.max_tokens)  # fmt: skip
+    except ValidationError as exc:
+        raise BadRequest(one_line(exc)) from None
     token_ids = encode_prompt(loaded.tokenizer, args.prompt, chat=args.chat)
     caches = make_layer_caches(loaded.model, options)
     stats = GenerationStats()
     pieces = []
     for text in generate(loaded.model, loaded.tokenizer, token_ids, caches, params,
-                         max_context=options.max_context, prefill_chunk=settings.prefill_chunk, stats=stats):
+                         max_context=options.max_context, stop=tuple(args.stop), prefill_chunk=settings.prefill_chunk, stats=stats):
         pieces.append(text)
         if not args.json:
             sys.stdout.write(text)

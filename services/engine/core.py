@@ -156,7 +156,7 @@ class EngineCore:
         vocab = self._model_geometry["vocab_size"]
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise BadRequest(f"prompt_token_ids must be in [0, {vocab})")
-        if request.params.top_k >= vocab:
+        if request.params.top_k is not None and request.params.top_k >= vocab:
             raise BadRequest(f"top_k must be below the vocabulary size {vocab}, got {request.params.top_k}")
         self.scheduler.add(request)
 

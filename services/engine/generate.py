@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from shared.errors import BadRequest, ContextOverflow
-
 from shared.detok import IncrementalDetokenizer
+from shared.errors import BadRequest, ContextOverflow
+from shared.protocol import FinishReason, SamplingParams
+from shared.text_stream import TextStream
 
-from .sampling import RequestSampler, SamplingParams
-from .stops import StopMatcher
+from .sampling import RequestSampler
 
 
 @dataclass(slots=True)
@@ -26,7 +26,7 @@ class GenerationStats:
     prefill_s: float = 0.0  # prompt submitted → first token sampled
     decode_s: float = 0.0  # first token → last token
     kv_bytes: int = 0  # bytes the caches hold at the end
-    finish_reason: str = ""  # "stop" (EOS or stop string) or "length"
+    finish_reason: FinishReason | None = None  # STOP (EOS or stop string) or LENGTH; None until the end
     token_ids: list[int] = field(default_factory=list)
 
     @property
@@ -81,6 +81,7 @@ def generate(
     params: SamplingParams,
     *,
     max_context: int,
+    stop: tuple[str, ...] = (),
     prefill_chunk: int = 512,
     stats: GenerationStats | None = None,
 ) -> Iterator[str]:
@@ -89,21 +90,26 @@ def generate(
     Decode is pipelined as in mlx-lm's `generate_step`: step n+1 is launched with
     `mx.async_eval` before token n is read back. Generation ends on an EOS token, a stop
     string (also across token boundaries; the stop text is not emitted), or after
-    `params.max_tokens` tokens capped to the context.
+    `params.max_tokens` tokens capped to the context. Text comes from the gateway's own
+    `TextStream` (`shared/text_stream.py`), so both show the same completion.
 
     Args:
         token_ids (list[int]): Prompt tokens.
         caches (list): Fresh per-layer caches (from `make_layer_caches`).
         max_context (int): Context cap (tokens).
+        stop (tuple[str, ...]): Strings that end generation (not included in the output).
         stats (GenerationStats | None): Filled in as generation goes.
 
     Raises:
+        BadRequest: an empty prompt or an empty stop string.
         ContextOverflow: the prompt does not fit `max_context`.
     """
+    if any(not s for s in stop):
+        raise BadRequest("stop strings must be non-empty")
     stats = stats if stats is not None else GenerationStats()
     max_tokens = cap_max_tokens(len(token_ids), params.max_tokens, max_context)
-    sampler, stops = RequestSampler(params), StopMatcher(params.stop)
-    detok, eos = IncrementalDetokenizer(tokenizer, token_ids), set(tokenizer.eos_token_ids)
+    sampler = RequestSampler(params)
+    text = TextStream(IncrementalDetokenizer(tokenizer, token_ids), stop, frozenset(tokenizer.eos_token_ids))
     stats.prompt_tokens = len(token_ids)
     t0 = time.perf_counter()
     y = sampler(prefill(model, caches, token_ids, chunk=prefill_chunk))
@@ -118,22 +124,18 @@ def generate(
             stats.prefill_s = t1 - t0
         stats.token_ids.append(token)
         stats.generated_tokens = n
-        if token in eos:
-            stats.finish_reason = "stop"
-            break
-        text = stops.feed(detok.add(token))
-        if text:
-            yield text
-        if stops.stopped:
-            stats.finish_reason = "stop"
+        delta = text.feed([token])
+        if delta.text:
+            yield delta.text
+        if text.closed:
+            stats.finish_reason = FinishReason.STOP
             break
         if n < max_tokens:
             y = next_y
     else:
-        stats.finish_reason = "length"
+        stats.finish_reason = FinishReason.LENGTH
     stats.decode_s = time.perf_counter() - t1
-    if not stops.stopped:
-        tail = stops.feed(detok.flush()) + stops.flush()
-        if tail:
-            yield tail
+    tail = text.finish()
+    if tail:
+        yield tail
     stats.kv_bytes = sum(c.nbytes for c in caches)

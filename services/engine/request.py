@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from shared.errors import ButtermilkError
 
 from .cache.pages import SlotView
-from .sampling import SamplingParams
+from shared.protocol import SamplingParams
 
 
 class RequestStatus(enum.Enum):

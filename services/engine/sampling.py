@@ -12,52 +12,15 @@ and a top_k at or above the vocabulary size keeps every token.
 
 from __future__ import annotations
 
-import math
 import random
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-from shared.errors import BadRequest
+from shared.protocol import SamplingParams
 
 MIN_TEMPERATURE = 1e-5  # below: greedy
 MIN_TOP_P = 1e-10  # below 1/vocab for any vocabulary under 2**33 tokens; float32 keeps it non-zero
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to pick tokens for one request.
-
-    Attributes:
-        temperature (float): 0 means greedy (argmax).
-        top_p (float): Nucleus mass in (0, 1]; 1 disables it.
-        top_k (int): Keep the k most likely tokens; 0 disables it.
-        seed (int | None): PRNG seed; `None` draws one.
-        max_tokens (int): Most tokens to generate.
-        stop (tuple[str, ...]): Strings that end generation (not included in the output).
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = 256
-    stop: tuple[str, ...] = field(default_factory=tuple)
-
-    def __post_init__(self):
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise BadRequest(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise BadRequest(f"top_k must be >= 0, got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise BadRequest(f"seed must be in [0, 2**63), got {self.seed}")
-        if any(not s for s in self.stop):
-            raise BadRequest("stop strings must be non-empty")
-        if self.max_tokens < 1:
-            raise BadRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
 
 
 class RequestSampler:
@@ -75,7 +38,7 @@ class RequestSampler:
             return mx.argmax(logits, axis=-1)
         self._key, draw = mx.random.split(self._key)
         logprobs = (logits - mx.logsumexp(logits, keepdims=True))[None]
-        if 0 < p.top_k < logprobs.shape[-1]:
+        if p.top_k is not None and p.top_k < logprobs.shape[-1]:
             logprobs = apply_top_k(logprobs, p.top_k)
         if p.top_p < 1:
             logprobs = apply_top_p(logprobs, max(p.top_p, MIN_TOP_P))

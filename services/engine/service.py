@@ -52,7 +52,6 @@ from shared.protocol import (
 
 from .core import EngineCore, RequestOutput
 from .request import Request, RequestStatus
-from .sampling import SamplingParams
 from .status import StatusMeter
 
 HEARTBEAT_S = 0.5  # heartbeat period; receivers declare death after several missed beats
@@ -340,7 +339,7 @@ class EngineService:
                 raise EngineFailed(f"request for epoch {msg.epoch}; this engine is epoch {self.hello.epoch}")
             if msg.id in self.running:
                 raise BadRequest(f"request id {msg.id} is already running")
-            self.core.add_request(Request(msg.id, list(msg.token_ids), _sampling(msg), session_id=msg.session_id,
+            self.core.add_request(Request(msg.id, list(msg.token_ids), msg.sampling, session_id=msg.session_id,
                                           session_tokens=msg.session_tokens))  # fmt: skip
         except ButtermilkError as exc:
             self.log.info("request_refused", request_id=msg.id, code=exc.code.value, error=exc.message)
@@ -416,8 +415,3 @@ class EngineService:
             self.log.info("engine_status", message=line.message, kv_usage=round(line.kv_usage, 4),
                           num_running=line.num_running, num_waiting=line.num_waiting)  # fmt: skip
 
-
-def _sampling(msg: EngineGenerate) -> SamplingParams:
-    s = msg.sampling
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or 0,
-                          seed=s.seed, max_tokens=s.max_tokens)  # fmt: skip

@@ -51,6 +51,7 @@ from shared.protocol import (
     Usage,
     error_reply,
 )
+from shared.text_stream import TextStream
 
 from .clients import ClientLimits, ClientTable
 from .control import ControlRelay, Send, ToClient, ToController, ToEngine, ToTokenizer
@@ -62,7 +63,7 @@ from .observer import NullObserver, StreamObserver
 from .prompts import Prompt, Prompter, Turn
 from .session_table import SessionTable, session_owner
 from .sessions import Admitted, GenerationSessionPool
-from .streams import Phase, Stream, TextStream
+from .streams import Phase, Stream
 
 HEARTBEAT_S = 0.5  # gateway → controller heartbeat period
 KEEPALIVE_S = 0.5  # a connection with requests in flight hears something at least this often

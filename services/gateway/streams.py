@@ -1,7 +1,7 @@
 """One request's life at the gateway: its phase, its engine placement and its output text.
 
-Pure: `TextStream` turns engine token ids into UTF-8-safe text deltas with stop strings
-applied; `Stream` is the per-request record the gateway core owns and mutates.
+Pure: `Stream` is the per-request record the gateway core owns and mutates; its `text`
+(`shared/text_stream.TextStream`) turns engine token ids into text deltas with stop strings applied.
 """
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from services.engine.stops import StopMatcher
-from shared.detok import IncrementalDetokenizer
 from shared.protocol import SamplingParams
+from shared.text_stream import TextStream
 
 
 class Phase(Enum):
@@ -19,64 +18,6 @@ class Phase(Enum):
     QUEUED = "queued"  # waiting in the session pool
     RESERVING = "reserving"  # admitted; waiting for the controller's reservation
     RUNNING = "running"  # sent to its engine
-
-
-@dataclass(slots=True)
-class Delta:
-    """Output of one engine chunk, ready for a `token` message."""
-
-    text: str
-    token_ids: list[int]  # tokens consumed (end-of-sequence tokens excluded)
-    stopped: bool  # a stop string matched in this chunk: abort the engine request
-
-
-class TextStream:
-    """Detokenizes a completion incrementally and cuts it at the first stop string.
-
-    Args:
-        detokenizer (IncrementalDetokenizer): fresh for this completion (`shared/detok.py`),
-            seeded with the prompt's tail as in-process generation does.
-        stops (tuple[str, ...]): stop strings; the output ends before the first one.
-        eos_token_ids (frozenset[int]): tokens that end the completion and are not shown.
-    """
-
-    def __init__(self, detokenizer: IncrementalDetokenizer, stops: tuple[str, ...], eos_token_ids: frozenset[int]):
-        self._detok = detokenizer
-        self._matcher = StopMatcher(stops)
-        self._eos = eos_token_ids
-        self.num_consumed = 0  # completion tokens read, up to the stop or end-of-sequence
-        self.num_sent = 0  # tokens handed out in deltas (end-of-sequence excluded)
-        self.ended_by_eos = False
-
-    @property
-    def stopped(self) -> bool:
-        """Whether a stop string matched; later tokens are ignored."""
-        return self._matcher.stopped
-
-    @property
-    def closed(self) -> bool:
-        return self.stopped or self.ended_by_eos
-
-    def feed(self, token_ids: list[int]) -> Delta:
-        """Consume tokens in order until the stream closes; return the text safe to show."""
-        parts, shown = [], []
-        for token in token_ids:
-            if self.closed:
-                break
-            self.num_consumed += 1
-            if token in self._eos:
-                self.ended_by_eos = True
-                break
-            shown.append(token)
-            parts.append(self._matcher.feed(self._detok.add(token)))
-        self.num_sent += len(shown)
-        return Delta("".join(parts), shown, self.stopped)
-
-    def finish(self) -> str:
-        """Flush the detokenizer and held-back text at the end (empty after a stop)."""
-        if self.stopped:
-            return ""
-        return self._matcher.feed(self._detok.flush()) + self._matcher.flush()
 
 
 @dataclass(slots=True)
