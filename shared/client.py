@@ -40,7 +40,7 @@ from shared.protocol import (
     Health,
     HealthOk,
     Keepalive,
-    Lease,
+    LeaseGranted,
     LeaseClose,
     LeaseOpen,
     LeaseRenew,
@@ -288,7 +288,7 @@ class AsyncClient:
             self._heartbeat = asyncio.create_task(self._renew_forever(reply.lease_id, ttl_s / 3))
         return reply.lease_id
 
-    async def renew_lease(self) -> Lease:
+    async def renew_lease(self) -> LeaseGranted:
         return await self._control(LeaseRenew(lease_id=self._require_lease()))
 
     async def close_lease(self) -> None:

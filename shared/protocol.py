@@ -199,8 +199,8 @@ class Error(WireMessage):
     retry_after_ms: Count | None = None
 
 
-class Lease(WireMessage):
-    """Reply to lease_open and lease_renew."""
+class LeaseGranted(WireMessage):
+    """Reply to lease_open and lease_renew (wire type `lease`); the lease itself is the controller's record."""
 
     TYPE = MessageType.LEASE
     id: Id | None = None
@@ -264,7 +264,7 @@ class StatsReply(WireMessage):
 
 Message = (
     Generate | Cancel | LeaseOpen | LeaseRenew | LeaseClose | SessionClose | Health | Stats
-    | Token | Done | Error | Lease | LeaseClosed | SessionClosed | HealthOk | StatsReply
+    | Token | Done | Error | LeaseGranted | LeaseClosed | SessionClosed | HealthOk | StatsReply
     | Hello | EngineGenerate | EngineTokens | EngineFinished | EngineAbort | EngineSessionClose
     | Heartbeat | Reserve | Reserved | Reconcile | Release | EngineDead | Revoked | Keepalive
     | GatewayHeartbeat

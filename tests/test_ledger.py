@@ -255,15 +255,15 @@ def test_admission_counts_slots_as_well_as_tokens():
     ledger = slotted(2)
     ledger.reserve("a", 10, now=0)
     idle_session(ledger, "s", now=0)
-    assert ledger.stats().engines[0].used_slots == 2
+    assert ledger.stats().engines[0].reserved_slots == 2
     assert not ledger.can_reserve(1)  # 80 tokens free, no slot
     with pytest.raises(Overloaded, match="free slot"):
         ledger.reserve("b", 1, now=0)
     turn = ledger.reserve("t2", 5, now=0, session_id="s", new_session=False)  # uses the session's slot
-    assert ledger.stats().engines[0].used_slots == 2
+    assert ledger.stats().engines[0].reserved_slots == 2
     ledger.release(turn.resv_id, now=0, keep_session_tokens=15)
     ledger.close_session("s")
-    assert ledger.stats().engines[0].used_slots == 1
+    assert ledger.stats().engines[0].reserved_slots == 1
     ledger.check_invariants()
 
 

@@ -149,8 +149,8 @@ def test_control_requests_are_forwarded_and_replies_restore_the_client_id(core):
     out = client(core, p.LeaseOpen(id="mine", ttl_s=5.0), 0.0)
     forwarded = msgs(out, ToController)[0]
     assert forwarded.id != "mine"
-    reply = core.on_controller(p.Lease(id=forwarded.id, lease_id="L1", ttl_s=5.0), 0.1)
-    assert msgs(reply, ToClient) == [p.Lease(id="mine", lease_id="L1", ttl_s=5.0)]
+    reply = core.on_controller(p.LeaseGranted(id=forwarded.id, lease_id="L1", ttl_s=5.0), 0.1)
+    assert msgs(reply, ToClient) == [p.LeaseGranted(id="mine", lease_id="L1", ttl_s=5.0)]
     client(core, p.Stats(id="s"), 1.0)
     late = core.tick(now=4.0)  # the controller never answered
     assert [(m.id, m.code) for m in msgs(late, ToClient)] == [("s", ErrorCode.INTERNAL)]
@@ -295,7 +295,7 @@ def test_per_client_caps_are_overloaded_with_a_reason_item8(tokenizer):
     forwarded = msgs(client(core, p.LeaseOpen(id="l1"), 3.0, b"c4"), ToController)[0]
     over = msgs(client(core, p.LeaseOpen(id="l2"), 3.0, b"c4"), ToClient)[0]  # the first is in flight
     assert over.code == ErrorCode.OVERLOADED and "client_max_leases" in over.message
-    core.on_controller(p.Lease(id=forwarded.id, lease_id="L1", ttl_s=30.0), 3.1)
+    core.on_controller(p.LeaseGranted(id=forwarded.id, lease_id="L1", ttl_s=30.0), 3.1)
     closing = msgs(client(core, p.LeaseClose(id="x", lease_id="L1"), 3.2, b"c4"), ToController)[0]
     core.on_controller(p.LeaseClosed(id=closing.id, lease_id="L1"), 3.3)
     assert msgs(client(core, p.LeaseOpen(id="l3"), 3.4, b"c4"), ToController)  # room again
@@ -309,7 +309,7 @@ def test_a_lease_opened_after_its_client_was_told_internal_is_closed(core):
     forwarded = msgs(client(core, p.LeaseOpen(id="l1"), 0.0), ToController)[0]
     late = core.tick(5.0)  # control timeout 2 s
     assert errors_by_id(late) == {"l1": ErrorCode.INTERNAL}
-    out = core.on_controller(p.Lease(id=forwarded.id, lease_id="L9", ttl_s=30.0), 6.0)
+    out = core.on_controller(p.LeaseGranted(id=forwarded.id, lease_id="L9", ttl_s=30.0), 6.0)
     assert msgs(out, ToController) == [p.LeaseClose(lease_id="L9")] and not msgs(out, ToClient)
 
 

@@ -44,7 +44,7 @@ EXAMPLES: list[p.Message] = [
     p.Done(id="r1", finish_reason=p.FinishReason.LENGTH, usage=USAGE),
     p.Error(id="r1", code=ErrorCode.OVERLOADED, message="busy", retry_after_ms=250),
     p.Error(code=ErrorCode.BAD_REQUEST, message="no id"),
-    p.Lease(lease_id="L", ttl_s=30.0), p.LeaseClosed(lease_id="L"),
+    p.LeaseGranted(lease_id="L", ttl_s=30.0), p.LeaseClosed(lease_id="L"),
     p.SessionClosed(id="c4", session_id="s"),
     p.HealthOk(status="ok", engines_live=2),
     p.StatsReply(

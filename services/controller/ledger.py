@@ -35,13 +35,13 @@ import secrets
 from dataclasses import replace
 
 from shared.errors import BadRequest, LeaseExpired, Overloaded
+from shared.protocol import EngineUsage
 
 from .room import choose_engine, eviction_plan
 from .ledger_types import (
     EngineRecord,
     EngineRelease,
     EngineReport,
-    EngineUsage,
     HeldSession,
     Lease,
     LedgerStats,
@@ -50,7 +50,7 @@ from .ledger_types import (
 )
 
 __all__ = [
-    "EngineRelease", "EngineReport", "EngineUsage", "HeldSession", "Lease", "Ledger",
+    "EngineRelease", "EngineReport", "HeldSession", "Lease", "Ledger",
     "LedgerStats", "Released", "Reservation",
 ]  # fmt: skip
 
@@ -379,7 +379,7 @@ class Ledger:
         )
         self._reservations[resv.resv_id] = resv
         engine.reserved_tokens += tokens
-        engine.used_slots += session_id is None
+        engine.reserved_slots += session_id is None
         if session_id is not None:
             self._start_turn(session, session_id, resv, now)
         return resv
@@ -414,7 +414,7 @@ class Ledger:
         if resv is None:
             return None
         self._engines[resv.engine_id].reserved_tokens -= resv.liability_tokens
-        self._engines[resv.engine_id].used_slots -= resv.session_id is None
+        self._engines[resv.engine_id].reserved_slots -= resv.session_id is None
         session = self._sessions.get(resv.session_id) if resv.session_id else None
         if session is not None and session.resv_id == resv_id:
             if keep_session_tokens is None:
@@ -450,8 +450,12 @@ class Ledger:
         """Per-engine token usage and counts of live items (a snapshot)."""
         engines = [
             EngineUsage(
-                e.engine_id, e.epoch, e.capacity_tokens, e.reserved_tokens, e.held_tokens,
-                e.free_tokens, e.bytes_per_token, e.report, e.used_slots, e.max_slots,
+                engine_id=e.engine_id, epoch=e.epoch, capacity_tokens=e.capacity_tokens,
+                reserved_tokens=e.reserved_tokens, held_tokens=e.held_tokens, free_tokens=e.free_tokens,
+                bytes_per_token=e.bytes_per_token, used_slots=e.report.used_slots, max_slots=e.report.max_slots,
+                reserved_slots=e.reserved_slots, engine_tokens=e.report.engine_tokens, pid=e.report.pid,
+                prefix_cache=e.report.prefix_cache, device=e.report.device,
+                cuda_visible_devices=e.report.cuda_visible_devices,
             )
             for e in sorted(self._engines.values(), key=lambda e: e.engine_id)
         ]  # fmt: skip
@@ -468,10 +472,10 @@ class Ledger:
             slots = sum(1 for s in self._sessions.values() if s.engine_id == mine) + sum(
                 1 for r in self._reservations.values() if r.engine_id == mine and r.session_id is None
             )
-            if (reserved, held, slots) != (engine.reserved_tokens, engine.held_tokens, engine.used_slots):
+            if (reserved, held, slots) != (engine.reserved_tokens, engine.held_tokens, engine.reserved_slots):
                 raise AssertionError(f"{engine.engine_id}: counters {engine} != {reserved}, {held}, {slots}")
-            if engine.max_slots is not None and engine.used_slots > engine.max_slots:
-                raise AssertionError(f"{engine.engine_id}: {engine.used_slots} slots of {engine.max_slots}")
+            if engine.max_slots is not None and engine.reserved_slots > engine.max_slots:
+                raise AssertionError(f"{engine.engine_id}: {engine.reserved_slots} slots of {engine.max_slots}")
         for item in [*self._reservations.values(), *self._sessions.values()]:
             live = self._engines.get(item.engine_id)
             if live is None or live.epoch != item.epoch:
@@ -542,7 +546,7 @@ class Ledger:
                 idle_expires_at=now + self._session_idle_ttl_s,
                 gateway_id=resv.gateway_id,
             )
-            self._engines[resv.engine_id].used_slots += 1
+            self._engines[resv.engine_id].reserved_slots += 1
         self._sessions[session_id] = replace(session, resv_id=resv.resv_id)
 
     def _end_turn(self, session: HeldSession, tokens_held: int, now: float) -> None:
@@ -573,7 +577,7 @@ class Ledger:
     def _drop_reservation(self, resv: Reservation, released: Released) -> None:
         del self._reservations[resv.resv_id]
         self._engines[resv.engine_id].reserved_tokens -= resv.liability_tokens
-        self._engines[resv.engine_id].used_slots -= resv.session_id is None
+        self._engines[resv.engine_id].reserved_slots -= resv.session_id is None
         part = released.part(resv.engine_id, resv.epoch)
         part.resv_ids.append(resv.resv_id)
         part.request_ids.append(resv.request_id)
@@ -584,5 +588,5 @@ class Ledger:
     def _drop_session(self, session: HeldSession, released: Released) -> None:
         del self._sessions[session.session_id]
         self._engines[session.engine_id].held_tokens -= session.tokens_held
-        self._engines[session.engine_id].used_slots -= 1
+        self._engines[session.engine_id].reserved_slots -= 1
         released.part(session.engine_id, session.epoch).session_ids.append(session.session_id)

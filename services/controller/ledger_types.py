@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.protocol import EngineUsage, PrefixCacheUsage
+
 
 @dataclass(frozen=True, slots=True)
 class EngineReport:
@@ -18,7 +20,7 @@ class EngineReport:
     max_slots: int = 0  # sequences it can hold at once
     used_slots: int = 0  # slots held now, sessions between turns included
     engine_tokens: int = 0  # KV tokens its cache holds now
-    prefix_cache: object | None = None  # its prefix cache figures (a wire `PrefixCacheUsage`), relayed as is
+    prefix_cache: PrefixCacheUsage | None = None  # its prefix cache figures, relayed as is
 
 
 @dataclass(slots=True)
@@ -35,7 +37,7 @@ class EngineRecord:
     report: EngineReport = field(default_factory=EngineReport)
     reserved_tokens: int = 0  # sum of reservation liabilities
     held_tokens: int = 0  # sum of session holds
-    used_slots: int = 0  # sessions (between turns or not) + reservations without a session
+    reserved_slots: int = 0  # sessions (between turns or not) + reservations without a session
 
     @property
     def free_tokens(self) -> int:
@@ -43,7 +45,7 @@ class EngineRecord:
 
     @property
     def free_slots(self) -> int | None:
-        return None if self.max_slots is None else max(0, self.max_slots - self.used_slots)
+        return None if self.max_slots is None else max(0, self.max_slots - self.reserved_slots)
 
     def fits(self, tokens: int, *, needs_slot: bool) -> bool:
         """Whether a request of `tokens` (and a new slot, if `needs_slot`) fits now."""
@@ -126,22 +128,8 @@ class Released:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineUsage:
-    engine_id: str
-    epoch: int
-    capacity_tokens: int
-    reserved_tokens: int
-    held_tokens: int
-    free_tokens: int
-    bytes_per_token: int
-    report: EngineReport
-    used_slots: int = 0  # the ledger's count: sessions + reservations without a session
-    max_slots: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class LedgerStats:
-    engines: list[EngineUsage]
+    engines: list[EngineUsage]  # the wire's per-engine figures, by engine id
     num_reservations: int
     num_leases: int
     num_sessions: int

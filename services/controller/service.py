@@ -26,11 +26,10 @@ from shared.protocol import (
     EngineAbort,
     EngineDead,
     EngineSessionClose,
-    EngineUsage,
     GatewayHeartbeat,
     Heartbeat,
     Hello,
-    Lease,
+    LeaseGranted,
     LeaseClose,
     LeaseClosed,
     LeaseOpen,
@@ -125,10 +124,10 @@ class ControllerCore:
         match msg:
             case LeaseOpen():
                 lease = ledger.open_lease(msg.ttl_s, now, gateway_id=self.gateways.get(identity))
-                return [(identity, Lease(id=msg.id, lease_id=lease.lease_id, ttl_s=lease.ttl_s))]
+                return [(identity, LeaseGranted(id=msg.id, lease_id=lease.lease_id, ttl_s=lease.ttl_s))]
             case LeaseRenew():
                 lease = ledger.renew(msg.lease_id, now)
-                return [(identity, Lease(id=msg.id, lease_id=lease.lease_id, ttl_s=lease.ttl_s))]
+                return [(identity, LeaseGranted(id=msg.id, lease_id=lease.lease_id, ttl_s=lease.ttl_s))]
             case LeaseClose():
                 released = ledger.close_lease(msg.lease_id)
                 reply = (identity, LeaseClosed(id=msg.id, lease_id=msg.lease_id))
@@ -234,18 +233,7 @@ class ControllerCore:
 
     def _stats(self, correlation_id: str | None) -> StatsReply:
         stats = self.ledger.stats()
-        engines = [
-            EngineUsage(
-                engine_id=e.engine_id, epoch=e.epoch, capacity_tokens=e.capacity_tokens,
-                reserved_tokens=e.reserved_tokens, held_tokens=e.held_tokens,
-                free_tokens=e.free_tokens, bytes_per_token=e.bytes_per_token,
-                used_slots=e.report.used_slots, max_slots=e.report.max_slots, reserved_slots=e.used_slots,
-                engine_tokens=e.report.engine_tokens, pid=e.report.pid, prefix_cache=e.report.prefix_cache,
-                device=e.report.device, cuda_visible_devices=e.report.cuda_visible_devices,
-            )
-            for e in stats.engines
-        ]  # fmt: skip
-        return StatsReply(id=correlation_id, engines=engines, num_reservations=stats.num_reservations,
+        return StatsReply(id=correlation_id, engines=stats.engines, num_reservations=stats.num_reservations,
                           num_leases=stats.num_leases, num_sessions=stats.num_sessions)  # fmt: skip
 
 

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from shared.errors import ErrorCode
-from shared.protocol import Error, Generate, Lease, LeaseClose, Message, MessageType, PoolUsage, StatsReply
+from shared.protocol import Error, Generate, LeaseClose, LeaseGranted, Message, MessageType, PoolUsage, StatsReply
 
 from .prompts import Turn
 
@@ -96,7 +96,7 @@ class ControlRelay:
         pending = self._pending.pop(corr, None)
         if pending is None:
             abandoned = self._abandoned.pop(corr, 0) is None  # its client was answered `internal`
-            return ToController(LeaseClose(lease_id=msg.lease_id)) if abandoned and isinstance(msg, Lease) else None
+            return ToController(LeaseClose(lease_id=msg.lease_id)) if abandoned and isinstance(msg, LeaseGranted) else None
         update: dict = {"id": pending.client_id}
         if isinstance(msg, StatsReply):
             update["pool"] = pool

@@ -7,7 +7,7 @@ controller's answers, and closes a lease that was opened after its client got `i
 
 from __future__ import annotations
 
-from shared.protocol import Lease, LeaseClosed, LeaseOpen, Message, PoolUsage
+from shared.protocol import LeaseClosed, LeaseGranted, LeaseOpen, Message, PoolUsage
 
 from .clients import ClientTable
 from .control import Answer, ControlRelay, Send, ToController
@@ -57,7 +57,7 @@ class ControlDesk:
 
     def _answered(self, answer: Answer, msg: Message | None) -> list[Send]:
         if answer.pending.kind.value == "lease_open":
-            self.clients.lease_open_answered(answer.pending.identity, msg.lease_id if isinstance(msg, Lease) else None)
+            self.clients.lease_open_answered(answer.pending.identity, msg.lease_id if isinstance(msg, LeaseGranted) else None)
         elif isinstance(msg, LeaseClosed):
             self.clients.lease_ended(msg.lease_id)
         return [answer.send]
