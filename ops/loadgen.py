@@ -194,7 +194,7 @@ def main() -> None:
         report["in_process"], report["prompt_tokens"] = baselines(args.model, args.max_tokens)
     proc, address = (None, args.address)
     if args.start:
-        flags = ["--device", args.device, "--max-active-sessions", str(max(8, *map(int, args.concurrency.split(","))))]
+        flags = ["--device", args.device, "--max-active-requests", str(max(8, *map(int, args.concurrency.split(","))))]
         proc, address = start_server(args.model, args.engines, flags)
     try:
         asyncio.run(run_level(address, 1, 1, 4))  # warm-up

@@ -76,7 +76,7 @@ def run_scheme(args, scheme: str, prefix_cache: bool, system: list[int], questio
     """Start a server for one scheme, run every round, stop it."""
     clients, context = args.clients, len(system) + max(map(len, questions[0])) + args.max_tokens
     flags = ["--device", args.device, "--kv-cache", scheme, "--max-slots", str(clients),
-             "--max-active-sessions", str(clients), "--max-context", str(context + 16),
+             "--max-active-requests", str(clients), "--max-context", str(context + 16),
              "--capacity-tokens", str(clients * (context + 32))]  # fmt: skip
     proc, address = start_server(args.model, 1, flags + ([] if prefix_cache else ["--no-prefix-cache"]))
     try:

@@ -191,7 +191,7 @@ def serve_flags(args) -> list[str]:
     """serve's flags: sizes for every client at once; the kill check runs its streams on one connection."""
     most = str(max(args.concurrency + [args.kill_streams + KILL_WAVE]))
     flags = ["--model", args.model, "--engines", str(args.engines), "--device", args.device, "--dtype", args.dtype,
-             "--max-active-sessions", most, "--max-queue", "256", "--client-max-active", most,
+             "--max-active-requests", most, "--max-queue", "256", "--client-max-active", most,
              "--client-max-queued", most]  # fmt: skip
     for name, value in sizes(args).items():
         flags += ["--" + name.replace("_", "-"), str(value)]

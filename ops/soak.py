@@ -56,7 +56,7 @@ REQUEST_TIMEOUT_S = 120.0
 LEASE_TTL_S = 3.0
 UNEXPECTED_CODES = {"bad_request", "internal", "stale_slot"}  # a valid request never gets these
 SERVE_FLAGS = ["--max-context", "256", "--capacity-tokens", "4096", "--max-slots", "8",
-               "--step-token-budget", "256", "--max-active-sessions", "8"]  # fmt: skip
+               "--step-token-budget", "256", "--max-active-requests", "8"]  # fmt: skip
 
 
 # ---- references ---------------------------------------------------------------------------

@@ -129,8 +129,8 @@ class Usage(Struct):
 class PrefixCacheUsage(Struct):
     """An engine's prefix cache: what it holds now, and its activity since the engine started."""
 
-    cached_tokens: Count = 0  # token slots of cached pages (K/V written), held by requests or not
+    cached_tokens: Count = 0  # tokens of cached pages (K/V written), held by requests or not
     evictable_tokens: Count = 0  # of them, in pages no request holds (free to reclaim)
     query_tokens: Count = 0  # prompt tokens looked up at admission
     hit_tokens: Count = 0  # of them, tokens reused instead of computed (hit rate = hit / query)
-    evicted_tokens: Count = 0  # token slots of cached pages reclaimed for new K/V
+    evicted_tokens: Count = 0  # tokens of cached pages reclaimed for new K/V

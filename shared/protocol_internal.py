@@ -134,7 +134,7 @@ class Heartbeat(WireMessage):
     epoch: Epoch
     tokens_used: Count = 0  # KV tokens held, requests and sessions together
     used_slots: Count = 0  # slots held, sessions between turns included
-    capacity_tokens: Count = 0  # KV token slots of its cache (0: not reported)
+    capacity_tokens: Count = 0  # KV tokens of its cache (0: not reported)
     prefix_cache: PrefixCacheUsage | None = None  # None: the engine has no prefix cache
 
 

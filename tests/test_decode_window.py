@@ -43,13 +43,13 @@ def test_full_attention_plan_equals_row_by_row_plan(steps):
 def test_ring_that_revisits_a_page_gives_it_one_tail_page():
     """keep 4, ring 28, pages of 16: slots 30, 31 (page 1), then 4..15 (page 0), then 16 (page 1 again)."""
     window = Window(32, 4)
-    start = 30 + 28 * 3  # slot(start) == 30
+    start = 30 + 28 * 3  # storage_index(start) == 30
     plan = dw.plan_window(window, np.array([start]), 15, np.array([[5, 9, 11]]), **geometry(1),
                           read_pages=lambda n: n)
     assert sorted(set(plan.page_table[0].tolist())) == [NUM_PAGES, NUM_PAGES + 1]  # two tail pages, not three
-    assert plan.copy_in.all()  # a wrapped ring: every slot is live before the window
-    slots = window.slot(start + np.arange(15))
-    assert slots[0] == 30 and slots[2] == 4 and slots[-1] == 16
+    assert plan.copy_in.all()  # a wrapped ring: every index is live before the window
+    indices = window.storage_index(start + np.arange(15))
+    assert indices[0] == 30 and indices[2] == 4 and indices[-1] == 16
 
 
 def test_window_longer_than_a_page_or_a_ring_is_refused():

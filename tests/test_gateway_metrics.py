@@ -14,7 +14,7 @@ from services.gateway.core import GatewayCore
 from services.gateway.engines import EngineTable
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prompts import Prompter
-from services.gateway.sessions import GenerationSessionPool
+from services.gateway.pool import RequestPool
 from shared import protocol as p
 from shared.errors import ErrorCode
 from tests.gateway_helpers import drive
@@ -37,7 +37,7 @@ def tokenizer():
 def gateway(tokenizer):
     metrics = GatewayMetrics()
     prompter = Prompter(tokenizer, vocab_size=49152, max_context=64, max_tokens_cap=32)
-    core = GatewayCore(prompter, GenerationSessionPool(1, 1, 5.0), EngineTable(30.0), observer=metrics)
+    core = GatewayCore(prompter, RequestPool(1, 1, 5.0), EngineTable(30.0), observer=metrics)
     core.on_engine_cmd(ENGINE, p.Hello(engine_id="e0", epoch=0, geometry=GEOMETRY), now=0.0)
     return core, metrics
 

@@ -44,7 +44,7 @@ LONG = 200  # tokens of a request meant to be interrupted
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server.start(tmp_path_factory.mktemp("http"), "--max-active-sessions", "2", "--max-queue", "1",
+    srv = Server.start(tmp_path_factory.mktemp("http"), "--max-active-requests", "2", "--max-queue", "1",
                        base_flags=FLAGS)  # fmt: skip
     try:
         yield srv

@@ -21,7 +21,7 @@ import pytest
 from services.gateway.engines import EngineTable
 from services.gateway.local import LocalClients
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.sessions import GenerationSessionPool
+from services.gateway.pool import RequestPool
 from services.http.app import MAX_BODY_BYTES, HttpOptions, build_app
 from services.http.server import bind, make_server
 from shared import protocol as p
@@ -39,7 +39,7 @@ class ScriptedPort:
         engines = EngineTable(600.0)
         if live:
             engines.register(p.Hello(engine_id="e0", epoch=0, geometry=GEOMETRY), b"e0", time.monotonic())
-        self.core = SimpleNamespace(engines=engines, pool=GenerationSessionPool(1, 0, 1.0))
+        self.core = SimpleNamespace(engines=engines, pool=RequestPool(1, 0, 1.0))
 
     async def submit(self, identity: bytes, msg: p.Message) -> None:
         self.seen.append(msg)

@@ -56,7 +56,7 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server.start(tmp_path_factory.mktemp("serve"), "--max-active-sessions", "8")
+    srv = Server.start(tmp_path_factory.mktemp("serve"), "--max-active-requests", "8")
     try:
         yield srv
     finally:

@@ -44,7 +44,7 @@ PROMPT = "Once upon a time, in a small village, there lived"  # long greedy cont
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = Server.start(
-        tmp_path_factory.mktemp("serve-faults"), "--max-active-sessions", "2", "--max-queue", "4",
+        tmp_path_factory.mktemp("serve-faults"), "--max-active-requests", "2", "--max-queue", "4",
         "--engine-timeout-s", "3", engines=2,
     )  # fmt: skip
     try:
@@ -252,7 +252,7 @@ def test_engine_config_error_stops_serve_without_orphans(tmp_path):
 
 def test_killed_supervisor_takes_its_children_along(tmp_path):
     """`kill -9` of `serve` itself: the kernel signals every child (PR_SET_PDEATHSIG)."""
-    srv = Server.start(tmp_path, "--max-active-sessions", "1")
+    srv = Server.start(tmp_path, "--max-active-requests", "1")
     try:
         pids = child_pids(srv.proc.pid)
         assert len(pids) == 3

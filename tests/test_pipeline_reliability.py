@@ -39,7 +39,7 @@ from .pipeline_helpers import (
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 PROMPT = "Once upon a time, in a small village, there lived"  # a long greedy continuation
-FLAGS = ("--max-slots", "4", "--max-active-sessions", "4", "--client-max-active", "2", "--client-max-queued", "4",
+FLAGS = ("--max-slots", "4", "--max-active-requests", "4", "--client-max-active", "2", "--client-max-queued", "4",
          "--engine-timeout-s", "2", "--drain-timeout-s", "3")  # fmt: skip
 
 

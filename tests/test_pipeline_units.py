@@ -15,7 +15,7 @@ from services.gateway.control import ToClient, ToController, ToEngine
 from services.gateway.core import GatewayCore
 from services.gateway.engines import EngineTable
 from services.gateway.prompts import Prompter, chat_continuation
-from services.gateway.sessions import GenerationSessionPool
+from services.gateway.pool import RequestPool
 from shared import protocol as p
 from shared.errors import ErrorCode
 from tests.gateway_helpers import drive
@@ -37,7 +37,7 @@ def tokenizer():
 @pytest.fixture
 def core(tokenizer):
     prompter = Prompter(tokenizer, vocab_size=49152, max_context=256, max_tokens_cap=64)
-    gateway = GatewayCore(prompter, GenerationSessionPool(1, 2, 5.0), EngineTable(3.0), control_timeout_s=2.0)
+    gateway = GatewayCore(prompter, RequestPool(1, 2, 5.0), EngineTable(3.0), control_timeout_s=2.0)
     gateway.on_engine_cmd(ENGINE, p.Hello(engine_id="e0", epoch=0, geometry=GEOMETRY), now=0.0)
     return gateway
 
@@ -204,7 +204,7 @@ OTHER = b"client-2"
 
 def make_core(tokenizer, *, active=2, queue=2, **limits):
     prompter = Prompter(tokenizer, vocab_size=49152, max_context=256, max_tokens_cap=64)
-    pool = GenerationSessionPool(active, queue, 5.0, client_max_active=limits.get("max_active", active),
+    pool = RequestPool(active, queue, 5.0, client_max_active=limits.get("max_active", active),
                                  client_max_queued=limits.get("max_queued", queue))  # fmt: skip
     gateway = GatewayCore(prompter, pool, EngineTable(3.0), control_timeout_s=2.0, limits=ClientLimits(**limits))
     gateway.on_engine_cmd(ENGINE, p.Hello(engine_id="e0", epoch=0, geometry=GEOMETRY), now=0.0)

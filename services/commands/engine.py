@@ -124,7 +124,7 @@ def build_service(settings: EngineSettings):
 
 
 def pool_capacity(settings: EngineSettings, loaded, options) -> int:
-    """KV token slots to allocate: `--capacity-tokens`, or what a KV memory budget holds.
+    """KV tokens to allocate: `--capacity-tokens`, or what a KV memory budget holds.
 
     A budget (`--kv-memory-gib` or `--kv-memory-fraction` of the device's memory), less a
     hybrid model's recurrent state (allocated for every slot), is divided by the scheme's bytes

@@ -28,7 +28,7 @@ class GatewaySettings(ModelSettings):
     engine_cmd_address: str = Field(DEFAULT_ENGINE_CMD_ADDRESS, description="ROUTER endpoint engines connect to")
     engine_out_address: str = Field(DEFAULT_ENGINE_OUT_ADDRESS, description="PULL endpoint engines push tokens to")
     controller_address: str = Field(DEFAULT_CONTROLLER_ADDRESS, description="the controller's ROUTER endpoint")
-    max_active_sessions: int = Field(8, ge=1, description="requests generating at once")
+    max_active_requests: int = Field(8, ge=1, description="requests generating at once")
     max_queue: int = Field(64, ge=0, description="requests waiting in the FIFO queue")
     queue_timeout_s: float = Field(60.0, gt=0, description="longest wait in the queue, seconds")
     max_tokens_cap: int = Field(4096, ge=1, description="server cap on max_tokens")
@@ -69,7 +69,7 @@ def build_core(settings: GatewaySettings, observer=None):
     from services.gateway.core import GatewayCore
     from services.gateway.engines import EngineTable
     from services.gateway.prompts import Prompter
-    from services.gateway.sessions import GenerationSessionPool
+    from services.gateway.pool import RequestPool
     from shared.errors import ModelNotFound
 
     path = resolve_model(settings.model, dtype=resolve_dtype(settings.dtype))
@@ -85,8 +85,8 @@ def build_core(settings: GatewaySettings, observer=None):
         tokenizer, vocab_size=int(text_config.get("vocab_size") or len(tokenizer)), max_context=options.max_context,
         max_tokens_cap=settings.max_tokens_cap,
     )  # fmt: skip
-    pool = GenerationSessionPool(
-        settings.max_active_sessions, settings.max_queue, settings.queue_timeout_s,
+    pool = RequestPool(
+        settings.max_active_requests, settings.max_queue, settings.queue_timeout_s,
         client_max_active=settings.client_max_active, client_max_queued=settings.client_max_queued,
     )  # fmt: skip
     limits = ClientLimits(

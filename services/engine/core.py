@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from shared.errors import BadRequest, ButtermilkError
+from shared.protocol import FinishReason
 
 from .cache.batched import BatchedKVCache
 from .cache.factory import CacheOptions
@@ -38,27 +39,27 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]  # tokens read back this step, in order (the EOS token included when it ended the request)
-    finish_reason: str | None  # "stop", "length", "cancelled", "error", or None while running
+    finish_reason: FinishReason | None  # None while running
     num_prompt_tokens: int  # tokens
     num_cached_tokens: int  # tokens
     tokens_held: int  # KV tokens the request's slot holds now (0 once freed; a session keeps its own)
     bytes_held: int  # bytes of those tokens, all layers, K and V, metadata included, plus the slot's recurrent state
-    error: ButtermilkError | None = None  # set when finish_reason is "error"
+    error: ButtermilkError | None = None  # set when finish_reason is ERROR
 
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """Capacity and what is held, per request and per kept session, and the prefix cache's activity."""
 
-    capacity_tokens: int  # KV token slots of the cache
-    free_tokens: int  # token slots a request can take: free pages and unreferenced cached pages
+    capacity_tokens: int  # KV tokens of the cache
+    free_tokens: int  # tokens a request can take: free pages and unreferenced cached pages
     used_slots: int  # slots held by requests and sessions
     max_slots: int
-    bytes_per_token: int  # one token slot across all layers
+    bytes_per_token: int  # one token position across all layers
     state_bytes_per_slot: int  # recurrent state of one slot, all layers (hybrid models; else 0)
     per_request: dict[str, tuple[int, int]]  # unfinished request id -> (tokens held, bytes held)
     sessions: dict[str, int]  # session id -> tokens held by its slot
-    held_tokens: int = 0  # token slots of pages held by slots, a shared page counted once
+    held_tokens: int = 0  # tokens of pages held by slots, a shared page counted once
     cached_pages: int = 0  # pages of K/V the prefix cache can hand out, held or not
     evictable_pages: int = 0  # of them, pages no slot holds (counted in free_tokens)
     prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admission, since start
@@ -80,10 +81,10 @@ class EngineCore:
     Args:
         loaded (LoadedModel): Model and tokenizer (EOS ids end requests).
         options (CacheOptions): Scheme, window and context cap.
-        capacity_tokens (int): KV token slots to allocate, all slots together.
+        capacity_tokens (int): KV tokens to allocate, all slots together.
         max_slots (int): Sequences held at once, kept sessions included. Default: 64.
         step_token_budget (int): Tokens per step, decode rows and prompt chunks together. Default: 512.
-        page_size (int): Token slots per page. Default: 16.
+        page_size (int): Tokens per page. Default: 16.
         decode_window (int): Most decode steps per host sync while no prompt waits. Default: 8.
         prefix_cache (bool): Share the full pages of common prompt prefixes between requests.
             Default: True.

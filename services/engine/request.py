@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from shared.errors import ButtermilkError
+from shared.protocol import FinishReason
 
 from .cache.pages import SlotView
 from shared.protocol import SamplingParams
@@ -35,12 +36,11 @@ FINISHED_STATUSES = frozenset(
     }
 )
 
-# The wire's finish reasons (shared.protocol_base.FinishReason values).
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "cancelled",
-    RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.CANCELLED,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -125,7 +125,7 @@ class Request:
         return self.status in FINISHED_STATUSES
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self.status)
 
     def history_token_ids(self) -> list[int]:

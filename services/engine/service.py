@@ -39,6 +39,7 @@ from shared.protocol import (
     EngineSessionClose,
     EngineTokens,
     Error,
+    FinishReason,
     Heartbeat,
     Hello,
     PrefixCacheUsage,
@@ -344,7 +345,7 @@ class EngineService:
         except ButtermilkError as exc:
             self.log.info("request_refused", request_id=msg.id, code=exc.code.value, error=exc.message)
             usage = Usage(prompt_tokens=len(msg.token_ids), completion_tokens=0)
-            out.send(encode(self._finish_message(msg.id, "error", usage, msg.session_id, exc, refused=True)))
+            out.send(encode(self._finish_message(msg.id, FinishReason.ERROR, usage, msg.session_id, exc, refused=True)))
             return
         self.running[msg.id] = Running(msg.resv_id, msg.session_id, accepted_at=time.monotonic())
 
@@ -367,8 +368,8 @@ class EngineService:
                 usage = Usage(prompt_tokens=o.num_prompt_tokens, completion_tokens=run.num_generated,
                               cached_tokens=o.num_cached_tokens)  # fmt: skip
                 reason, error = o.finish_reason, o.error
-                if run.fail_with is not None and reason == "cancelled":
-                    reason, error = "error", run.fail_with
+                if run.fail_with is not None and reason is FinishReason.CANCELLED:
+                    reason, error = FinishReason.ERROR, run.fail_with
                 out.send(encode(self._finish_message(o.request_id, reason, usage, run.session_id, error,
                                                      refused=run.never_ran)))  # fmt: skip
             elif (grown := max(0, o.tokens_held - o.num_cached_tokens)) >= run.tokens_reported + RECONCILE_EVERY_TOKENS:
@@ -376,12 +377,12 @@ class EngineService:
                 relay.send(encode(Reconcile(resv_id=run.resv_id, tokens_observed=grown)))
 
     def _finish_message(
-        self, request_id: str, reason: str, usage: Usage, session_id: str | None,
+        self, request_id: str, reason: FinishReason, usage: Usage, session_id: str | None,
         error: ButtermilkError | None, *, refused: bool = False,
     ) -> EngineFinished:  # fmt: skip
         stats = self.core.stats() if session_id is not None else None
         held = stats.sessions.get(session_id) if stats is not None else None
-        failed = reason == "error"
+        failed = reason is FinishReason.ERROR
         if failed and error is None:
             error = ButtermilkError("the engine failed the request")
         return EngineFinished(

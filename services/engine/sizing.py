@@ -85,7 +85,7 @@ def bytes_per_token(scheme: str, geometry: KVGeometry, *, raw_layers: frozenset[
 
 
 def capacity_tokens(memory_bytes: int, per_token_bytes: int, *, page_size: int, state_bytes: int = 0) -> int:
-    """Token slots a KV pool of `memory_bytes` holds, in whole pages.
+    """Tokens a KV pool of `memory_bytes` holds, in whole pages.
 
     Args:
         state_bytes (int): Recurrent state of a hybrid model, all slots (bytes): it comes off
@@ -104,7 +104,7 @@ def capacity_tokens(memory_bytes: int, per_token_bytes: int, *, page_size: int, 
 
 
 def tokens_per_request(num_tokens: int, *, page_size: int, window: int | None = None) -> int:
-    """Token slots a request of `num_tokens` (prompt + output) holds: whole pages, capped by a window."""
+    """Tokens a request of `num_tokens` (prompt + output) holds: whole pages, capped by a window."""
     live = num_tokens if window is None else min(num_tokens, window)
     return math.ceil(live / page_size) * page_size
 

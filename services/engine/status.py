@@ -22,7 +22,7 @@ class StatusLine:
     generation_tokens_per_s: float
     num_running: int  # requests holding a slot
     num_waiting: int  # requests waiting for a slot or pages
-    kv_usage: float  # token slots in use / capacity, 0..1
+    kv_usage: float  # token positions in use / capacity, 0..1
     session_hit_rate: float | None  # cached / prompt tokens of the requests seen; None: none seen
 
     @property

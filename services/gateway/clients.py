@@ -3,7 +3,7 @@
 A client is one connection (the ROUTER identity of its DEALER socket). Its requests in
 flight, the sessions it started, the leases it opened and its control requests waiting for
 the controller are each capped (`ClientLimits`); a request over a cap gets `overloaded` with
-the cap named. The pool (`sessions.py`) caps its running and queued requests.
+the cap named. The pool (`pool.py`) caps its running and queued requests.
 
 Caps are per connection: a client can open more connections, so the server-wide bounds
 (`max_queue`, the controller's `max_leases`, slots with idle-session eviction) still apply.

@@ -1,6 +1,6 @@
 """The gateway's routing logic with no sockets: decoded messages in, addressed messages out.
 
-`GatewayCore` owns every request's `Stream`, the `GenerationSessionPool`, the engine table,
+`GatewayCore` owns every request's `Stream`, the `RequestPool`, the engine table,
 the session table, the per-client table and the relay of control requests to the controller
 (`control.py`). Each `on_*` method takes one decoded message (and `now`, monotonic seconds)
 and returns the messages to send, in order. The service (`service.py`) only moves frames,
@@ -60,9 +60,9 @@ from .desk import ControlDesk
 from .engines import EngineTable
 from .outcome import done_message, emit, session_outcome
 from .observer import NullObserver, StreamObserver
+from .pool import Admitted, RequestPool
 from .prompts import Prompt, Prompter, Turn
 from .session_table import SessionTable, session_owner
-from .sessions import Admitted, GenerationSessionPool
 from .streams import Phase, Stream
 
 HEARTBEAT_S = 0.5  # gateway → controller heartbeat period
@@ -76,7 +76,7 @@ class GatewayCore:
 
     Args:
         prompter (Prompter): encodes inputs and caps `max_tokens`.
-        pool (GenerationSessionPool): how many requests run at once, the FIFO queue.
+        pool (RequestPool): how many requests run at once, the FIFO queue.
         engines (EngineTable): live engines and their heartbeat timeout.
         control_timeout_s (float): longest wait for the controller's answer to a forwarded
             control request or a reservation, seconds.
@@ -88,7 +88,7 @@ class GatewayCore:
     def __init__(
         self,
         prompter: Prompter,
-        pool: GenerationSessionPool,
+        pool: RequestPool,
         engines: EngineTable,
         *,
         control_timeout_s: float = 5.0,

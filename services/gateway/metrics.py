@@ -8,7 +8,7 @@ ends, once in exactly one of `request_success_total{finished_reason}` (stop, len
 received = success + cancelled + failure. Token counters add the usage each `done` reported.
 
 `GatewayMetrics` is the core's `StreamObserver` (counters and histograms as facts arrive);
-gauges are set at scrape time by `refresh` from the session pool, the engines' latest HELLO
+gauges are set at scrape time by `refresh` from the request pool, the engines' latest HELLO
 and heartbeat (KV usage = `tokens_used / capacity_tokens`, slots) and the controller's
 `stats` reply (tokens reserved and held, leases, sessions).
 """
@@ -29,7 +29,7 @@ from shared.errors import ErrorCode
 from shared.protocol import Done, Error, FinishReason, Geometry, Heartbeat, Hello, Revoked, StatsReply
 
 from .engines import EngineTable
-from .sessions import PoolStats
+from .pool import PoolStats
 from .streams import Phase, Stream
 
 PREFIX = "buttermilk:"
@@ -64,11 +64,11 @@ class GatewayMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
 
-        self.running = gauge("num_requests_running", "Requests admitted by the session pool (reserving or generating).")
+        self.running = gauge("num_requests_running", "Requests admitted by the request pool (reserving or generating).")
         self.waiting = gauge("num_requests_waiting", "Requests waiting in the FIFO queue.")
         self.engines_live = gauge("num_engines_live", "Engines live at the gateway.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV token slots in use / capacity, 0..1 (engine).", by_engine)
-        self.kv_capacity = gauge("kv_cache_capacity_tokens", "KV token slots of the engine's cache.", by_engine)
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV tokens in use / capacity, 0..1 (engine).", by_engine)
+        self.kv_capacity = gauge("kv_cache_capacity_tokens", "KV tokens of the engine's cache.", by_engine)
         self.kv_reserved = gauge("kv_tokens_reserved", "KV tokens reserved for running requests (controller).",
                                  by_engine)  # fmt: skip
         self.kv_held = gauge("kv_tokens_held", "KV tokens held by sessions between turns (controller).", by_engine)
@@ -163,7 +163,7 @@ class GatewayMetrics:
         """Set the gauges from the pool, the live engines' reports and the controller's stats.
 
         Args:
-            pool (PoolStats): the session pool now.
+            pool (PoolStats): the request pool now.
             engines (EngineTable): which engines are live (series of the others are removed).
             stats (StatsReply | None): the controller's answer; None keeps its last figures.
         """

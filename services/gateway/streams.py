@@ -15,7 +15,7 @@ from shared.text_stream import TextStream
 
 class Phase(Enum):
     PREPARING = "preparing"  # being tokenized off the event loop
-    QUEUED = "queued"  # waiting in the session pool
+    QUEUED = "queued"  # waiting in the request pool
     RESERVING = "reserving"  # admitted; waiting for the controller's reservation
     RUNNING = "running"  # sent to its engine
 

@@ -1,10 +1,10 @@
 """`BatchedKVCache`: paged K/V storage shared by many sequences, in any scheme, windows included.
 
-Layout. Capacity is counted in tokens and cut into pages of `page_size` token slots. Each
+Layout. Capacity is counted in tokens and cut into pages of `page_size` token positions. Each
 layer keeps its pools (`kernels.kv_format`: raw K and V, or one compressed row per token and
 head), head-major `[n_kv_heads * num_pages * page_size, width]` (`pool_rows`), and one
 `SlotTable` (one allocator, one page table per slot) serves all layers: page `p` names the
-same token slots in every layer. A forward over a set of slots writes its new tokens with one
+same token positions in every layer. A forward over a set of slots writes its new tokens with one
 scatter per pool and attends through the page tables in place (`kernels.paged_attention`:
 fused CUDA kernels, or MLX ops over chunks of pages) — no gathered copy of the history, no
 dequantized copy. The indices are built once per forward (numpy), moved to the device in one
@@ -12,7 +12,7 @@ transfer, and shared by all layers with the same window rule.
 
 Costs of this layout:
 - Storage is allocated once for `capacity_tokens`; a slot's last page is partly empty (at
-  most `page_size - 1` token slots per sequence are held but unused).
+  most `page_size - 1` tokens per sequence are held but unused).
 - Writes land in place only when no other pending work reads the same pool (MLX buffer
   donation): the runner lets a forward's reads finish before the next forward's writes are
   launched, and a chunk that wraps a window reads its old slots through `PagedBatch.prefetch`,
@@ -30,10 +30,10 @@ and recurrent caches back into the model's cache-list shape. A forward reads its
 and writes the new state back; a decode window carries the rows' state from step to step and
 `write_window_states` stores it when the window is collected.
 
-Windows follow `KVCache` exactly: a windowed sequence holds at most `window.max_size` token
-slots (logical slot `window.slot(position)`); the decode token overwrites the evicted slot
-first; a multi-token chunk that wraps attends over the old slots plus the chunk, then writes
-the ring (per slot, only its newest position).
+Windows follow `KVCache` exactly: a windowed sequence holds at most `window.max_size` tokens
+(at storage index `window.storage_index(position)`); the decode token overwrites the evicted
+index first; a multi-token chunk that wraps attends over the old indices plus the chunk, then
+writes the ring (per index, only its newest position).
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ class BatchedKVCache:
         layers (Sequence[tuple[PartFormat, PartFormat, Window | None, LayerGeometry]]): Per
             attention layer: its parts, window and geometry (widths may differ between layers
             and between keys and values; the number of kv heads may not).
-        capacity_tokens (int): Token slots of storage, rounded down to whole pages.
-        page_size (int): Token slots per page. Default: 16.
+        capacity_tokens (int): Tokens of storage, rounded down to whole pages.
+        page_size (int): Tokens per page. Default: 16.
         max_slots (int): Sequences held at once. Default: 64.
         prefix_key (str | None): The model's identity (path, weight dtype): turns the prefix
             cache on, its hash chains rooted in it and in every layer's format and window

@@ -34,7 +34,7 @@ class WindowIndex:
         write_rows (np.ndarray): int32 [N, B * n_kv_heads], tail-pool rows step i writes.
         page_table (np.ndarray): int32 [B, NP], pages attention reads (tail pages as
             `num_pages + tail page`), the same for every step.
-        lengths (np.ndarray): int32 [N, B], live slots per row after step i's write.
+        lengths (np.ndarray): int32 [N, B], live tokens per row after step i's write.
         main_rows (np.ndarray): int32 [m], main-pool rows of the pages moved to the tail.
         tail_rows (np.ndarray): int32 [m], the tail-pool rows they are copied to (and back from).
         copy_in (np.ndarray): bool [m], rows holding tokens from before the window (copied in).
@@ -84,7 +84,7 @@ def plan_window(
     if use_tail and batch * TAIL_PAGES_PER_ROW > tail_pages:
         raise ValueError(f"{batch} rows need {batch * TAIL_PAGES_PER_ROW} tail pages, the pool has {tail_pages}")
     positions = starts[:, None] + np.arange(num_steps)[None, :]  # [B, N]
-    slots = positions if window is None else window.slot(positions)
+    indices = positions if window is None else window.storage_index(positions)
     lengths = live_tokens(window, positions + 1)  # [B, N]
     needed = max(1, int(-(-lengths.max() // page_size)))
     width = read_pages(needed)
@@ -92,13 +92,13 @@ def plan_window(
     live_pages = -(-lengths[:, -1] // page_size)
     table = np.where(np.arange(width)[None, :] < live_pages[:, None], table, table[:, :1])
     if not use_tail:
-        rows = flat_rows(page_tables, slots, n_kv_heads=n_kv_heads, num_pages=num_pages, page_size=page_size)
+        rows = flat_rows(page_tables, indices, n_kv_heads=n_kv_heads, num_pages=num_pages, page_size=page_size)
         write_rows, moves = rows.transpose(2, 0, 1), (np.zeros(0, np.int64),) * 2 + (np.zeros(0, bool),)
     elif window is None:
         write_rows, moves = _full_attention_writes(starts, num_steps, page_tables, table, n_kv_heads=n_kv_heads,
                                                    num_pages=num_pages, tail_pages=tail_pages, page_size=page_size)
     else:
-        write_rows, moves = _windowed_writes(window, starts, slots, page_tables, table, n_kv_heads=n_kv_heads,
+        write_rows, moves = _windowed_writes(window, starts, indices, page_tables, table, n_kv_heads=n_kv_heads,
                                          num_pages=num_pages, tail_pages=tail_pages, page_size=page_size)
     main_rows, tail_rows, copy_in = moves
     return WindowIndex(
@@ -136,14 +136,14 @@ def _full_attention_writes(starts, num_steps, page_tables, table, *, n_kv_heads,
     return write_rows, (main_rows.reshape(-1), tail_rows.reshape(-1), copy_in.reshape(-1))
 
 
-def _windowed_writes(window, starts, slots, page_tables, table, *, n_kv_heads, num_pages, tail_pages, page_size):
+def _windowed_writes(window, starts, indices, page_tables, table, *, n_kv_heads, num_pages, tail_pages, page_size):
     """Plan of windowed rows, row by row: a ring can revisit a page within one window."""
-    num_steps = slots.shape[1]
+    num_steps = indices.shape[1]
     heads = np.arange(n_kv_heads)
     write_rows = np.zeros((num_steps, starts.size, n_kv_heads), np.int64)
     main_rows, tail_rows, copy_in = [], [], []
     for b in range(starts.size):
-        logical = list(dict.fromkeys((slots[b] // page_size).tolist()))  # touched pages, in order
+        logical = list(dict.fromkeys((indices[b] // page_size).tolist()))  # touched pages, in order
         for k, page_index in enumerate(logical):
             tail = b * TAIL_PAGES_PER_ROW + k
             table[b, page_index] = num_pages + tail
@@ -152,11 +152,11 @@ def _windowed_writes(window, starts, slots, page_tables, table, *, n_kv_heads, n
             tail_rows.append(((heads[:, None] * tail_pages + tail) * page_size + rows[None]).reshape(-1))
             old = _held_before(window, int(starts[b]), page_index * page_size + rows)
             copy_in.append(np.broadcast_to(old, (n_kv_heads, page_size)).reshape(-1))
-            for i in np.nonzero(slots[b] // page_size == page_index)[0]:
-                write_rows[i, b] = (heads * tail_pages + tail) * page_size + slots[b, i] % page_size
+            for i in np.nonzero(indices[b] // page_size == page_index)[0]:
+                write_rows[i, b] = (heads * tail_pages + tail) * page_size + indices[b, i] % page_size
     return write_rows, (np.concatenate(main_rows), np.concatenate(tail_rows), np.concatenate(copy_in))
 
 
-def _held_before(window: Window | None, start: int, slots: np.ndarray) -> np.ndarray:
-    """Whether each logical slot holds a live token before position `start` is written."""
-    return slots < live_tokens(window, np.array(start))
+def _held_before(window: Window | None, start: int, indices: np.ndarray) -> np.ndarray:
+    """Whether each storage index holds a live token before position `start` is written."""
+    return indices < live_tokens(window, np.array(start))

@@ -21,7 +21,7 @@ from .paged_index import ring_writes
 from .protocol import AttendingCache
 from .window import Window
 
-PAGE_SIZE = 16  # token slots per page of a single-sequence cache
+PAGE_SIZE = 16  # tokens per page of a single-sequence cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +85,7 @@ class KVCache(AttendingCache):
 
     @property
     def capacity(self) -> int:
-        """Token slots allocated per batch row (tokens)."""
+        """Tokens allocated per batch row (tokens)."""
         return self._row_pages * PAGE_SIZE
 
     @property
@@ -142,7 +142,7 @@ class KVCache(AttendingCache):
         if window is None or start + num_new <= window.max_size:
             self._write(start, new)
         elif num_new == 1:  # the slot it evicts is exactly the one that fell out of the window
-            self._write(int(window.slot(np.array([start]))[0]), new)
+            self._write(int(window.storage_index(np.array([start]))[0]), new)
         else:  # a chunk that wraps: attention reads the old ring, then the ring is written
             self._reserve(self.window.max_size)
             history = self._views(self.num_live)

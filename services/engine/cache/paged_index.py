@@ -50,7 +50,7 @@ class GroupIndex:
 
 
 def live_tokens(window: Window | None, num_seen: np.ndarray) -> np.ndarray:
-    """Token slots held per row after `num_seen` positions (int64, same shape)."""
+    """Tokens held per row after `num_seen` positions (int64, same shape)."""
     return num_seen if window is None else np.minimum(num_seen, window.max_size)
 
 
@@ -89,7 +89,7 @@ def plan_group(
         page_tables (np.ndarray): int64 [B, P], each row's pages (padded past its own).
         n_kv_heads (int): KV heads per layer.
         num_pages (int): Pages of the pool.
-        page_size (int): Token slots per page.
+        page_size (int): Tokens per page.
         read_pages (Callable[[int], int] | None): Maps the pages the longest row needs to the
             pages read per row (rounding up keeps traced shapes stable); None reads exactly those.
 
@@ -109,7 +109,7 @@ def plan_group(
     if wraps:
         write_rows, write_source = ring_writes(window, queries, page_tables, **shape)
     else:
-        logical = queries if window is None else window.slot(queries)
+        logical = queries if window is None else window.storage_index(queries)
         write_rows, write_source = flat_rows(page_tables, logical, **shape).reshape(-1), None
     return GroupIndex(
         read_first=wraps,
@@ -125,16 +125,16 @@ def plan_group(
 def ring_writes(
     window: Window, queries: np.ndarray, page_tables: np.ndarray, *, n_kv_heads: int, num_pages: int, page_size: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Rows and sources of a chunk written into the ring: per slot only its newest position survives."""
+    """Rows and sources of a chunk written into the ring: per storage index only its newest position survives."""
     batch, num_new = queries.shape
     shape = {"n_kv_heads": n_kv_heads, "num_pages": num_pages, "page_size": page_size}
     rows, sources = [], []
     heads = np.arange(n_kv_heads)[:, None]
     for b in range(batch):
-        slots = window.slot(queries[b])
-        # np.unique on the reversed slots finds each slot's last occurrence in the chunk.
-        _, first_from_end = np.unique(slots[::-1], return_index=True)
+        indices = window.storage_index(queries[b])
+        # np.unique on the reversed indices finds each index's last occurrence in the chunk.
+        _, first_from_end = np.unique(indices[::-1], return_index=True)
         chunk_index = num_new - 1 - first_from_end
-        rows.append(flat_rows(page_tables[b : b + 1], slots[None, chunk_index], **shape)[0].reshape(-1))
+        rows.append(flat_rows(page_tables[b : b + 1], indices[None, chunk_index], **shape)[0].reshape(-1))
         sources.append(((b * n_kv_heads + heads) * num_new + chunk_index[None, :]).reshape(-1))
     return np.concatenate(rows), np.concatenate(sources).astype(np.int32)

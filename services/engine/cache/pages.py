@@ -2,7 +2,7 @@
 
 Pure bookkeeping (no arrays), so the scheduler can decide and commit allocations
 before the runner touches storage (nano-vllm's `BlockManager` split). One `SlotTable`
-serves every layer: a page id names the same `page_size` token slots in each layer's
+serves every layer: a page id names the same `page_size` token positions in each layer's
 storage, so one page table per slot covers the whole model.
 
 Hybrid models also keep a fixed-size recurrent state per slot (`state_pool`): it counts
@@ -104,7 +104,7 @@ class SlotTable:
 
     Args:
         num_pages (int): Pages of storage shared by all slots.
-        page_size (int): Token slots per page.
+        page_size (int): Tokens per page.
         max_slots (int): Sequences held at once (sessions between turns included).
         layers (Sequence[LayerBudget]): One entry per attention layer, for page and byte accounting.
         prefix_root (bytes | None): `prefix.format_root` of the storage: turns the prefix cache
@@ -147,12 +147,12 @@ class SlotTable:
 
     @property
     def capacity_tokens(self) -> int:
-        """Token slots of storage, all slots together (tokens)."""
+        """Tokens of storage, all slots together (tokens)."""
         return self.num_pages * self.page_size
 
     @property
     def free_tokens(self) -> int:
-        """Token slots a reservation can take now (tokens): free pages and unreferenced cached
+        """Tokens a reservation can take now (tokens): free pages and unreferenced cached
         pages (evicted on demand); pages waiting on the fence are not free yet."""
         return self._pages.num_available * self.page_size
 
@@ -173,7 +173,7 @@ class SlotTable:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token slot occupies across all layers (K, V, every field)."""
+        """Bytes one token position occupies across all layers (K, V, every field)."""
         return sum(layer.bytes_per_token for layer in self.layers)
 
     @property
@@ -314,7 +314,7 @@ class SlotTable:
             tables[row, : len(slot.page_table)] = slot.page_table
         positions = starts[:, None] + np.arange(num_new)[None, :]
         for rule in self.write_rules:
-            logical = positions if rule is None else rule.slot(positions)
+            logical = positions if rule is None else rule.storage_index(positions)
             pages = np.take_along_axis(tables, logical // self.page_size, axis=1)
             shared = pages[self._pages.is_read_only(pages)]
             if shared.size:

@@ -2,7 +2,7 @@
 
 One rule for prefill and decode alike (StreamingLLM, Xiao et al. 2023, arXiv 2309.17453):
 the first `keep` positions are pinned; once the window is full the other
-`max_size - keep` slots form a FIFO ring, position p living in slot
+`max_size - keep` storage indices form a FIFO ring, position p living at index
 `keep + (p - keep) mod (max_size - keep)`; a query at position q attends to the sinks
 plus the most recent `max_size - keep` positions up to and including q.
 """
@@ -19,7 +19,7 @@ class Window:
     """A sliding window over a layer's KV storage.
 
     Attributes:
-        max_size (int): Token slots per layer, sinks included.
+        max_size (int): Tokens stored per layer, sinks included.
         keep (int): Leading positions pinned forever (attention sinks), `0 <= keep < max_size`.
     """
 
@@ -34,25 +34,25 @@ class Window:
 
     @property
     def ring(self) -> int:
-        """Slots in the FIFO ring (tokens)."""
+        """Storage indices in the FIFO ring (tokens)."""
         return self.max_size - self.keep
 
-    def slot(self, positions: np.ndarray) -> np.ndarray:
-        """Storage slot of each absolute position (int64 array, same shape)."""
+    def storage_index(self, positions: np.ndarray) -> np.ndarray:
+        """Storage index of each absolute position (int64 array, same shape)."""
         positions = np.asarray(positions, dtype=np.int64)
         ring = self.keep + (positions - self.keep) % self.ring
         return np.where(positions < self.keep, positions, ring)
 
     def stored_positions(self, num_seen: int) -> np.ndarray:
-        """Absolute position held by each live slot after `num_seen` tokens, in slot order."""
+        """Absolute position held at each live storage index after `num_seen` tokens, in index order."""
         live = min(num_seen, self.max_size)
-        slots = np.arange(live, dtype=np.int64)
+        indices = np.arange(live, dtype=np.int64)
         if num_seen <= self.max_size:
-            return slots
-        # Ring slot s holds the latest p < num_seen with slot(p) == s.
+            return indices
+        # Ring index i holds the latest p < num_seen with storage_index(p) == i.
         last = num_seen - 1
-        back = (self.slot(np.array(last)) - slots) % self.ring
-        return np.where(slots < self.keep, slots, last - back)
+        back = (self.storage_index(np.array(last)) - indices) % self.ring
+        return np.where(indices < self.keep, indices, last - back)
 
     def visible(self, query_positions: np.ndarray, key_positions: np.ndarray) -> np.ndarray:
         """Boolean mask [Lq, Lk]: may query i attend to key j under the rule."""

@@ -1,4 +1,4 @@
-"""The gateway's generation session pool: at most `max_active` requests run, the rest wait FIFO.
+"""The gateway's request pool: at most `max_active` requests run, the rest wait FIFO.
 
 Pure bookkeeping with `now` (monotonic seconds) injected; no I/O. The service asks the pool
 before it reserves capacity: `submit` admits or queues, `finish` frees a place and promotes the
@@ -54,7 +54,7 @@ class PoolStats:
     mean_active_s: float | None  # moving average of active durations; None before any finish
 
 
-class GenerationSessionPool:
+class RequestPool:
     """Admission in FIFO order with a bounded queue, a queue timeout and per-client caps.
 
     Args:

@@ -1,4 +1,4 @@
-"""Gateway session pool: strict FIFO, bounded queue, immediate queued cancel, queue timeout."""
+"""Gateway request pool: strict FIFO, bounded queue, immediate queued cancel, queue timeout."""
 
 from __future__ import annotations
 
@@ -6,17 +6,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.sessions import (
+from services.gateway.pool import (
     MIN_RETRY_AFTER_MS,
     Admitted,
-    GenerationSessionPool,
+    RequestPool,
     Queued,
 )
 from shared.errors import BadRequest, ErrorCode, Overloaded
 
 
 def test_fifo_order_of_starts_with_two_places_and_six_requests():
-    pool = GenerationSessionPool(max_active=2, max_queue=10, queue_timeout_s=30.0)
+    pool = RequestPool(max_active=2, max_queue=10, queue_timeout_s=30.0)
     results = [pool.submit(f"r{i}", now=float(i)) for i in range(6)]
     assert results[:2] == [Admitted("r0"), Admitted("r1")]
     assert [(q.request_id, q.position) for q in results[2:]] == [
@@ -34,7 +34,7 @@ def test_fifo_order_of_starts_with_two_places_and_six_requests():
 
 
 def test_one_finish_promotes_one_and_a_new_submit_queues_behind_waiters():
-    pool = GenerationSessionPool(max_active=1, max_queue=3, queue_timeout_s=30.0)
+    pool = RequestPool(max_active=1, max_queue=3, queue_timeout_s=30.0)
     pool.submit("a", now=0)
     pool.submit("b", now=0)
     assert pool.finish("a", now=1) == ["b"]
@@ -43,7 +43,7 @@ def test_one_finish_promotes_one_and_a_new_submit_queues_behind_waiters():
 
 
 def test_queue_full_is_overloaded_with_retry_hint():
-    pool = GenerationSessionPool(max_active=2, max_queue=2, queue_timeout_s=10.0)
+    pool = RequestPool(max_active=2, max_queue=2, queue_timeout_s=10.0)
     for i in range(4):
         pool.submit(f"r{i}", now=0.0)
     with pytest.raises(Overloaded) as info:
@@ -61,7 +61,7 @@ def test_queue_full_is_overloaded_with_retry_hint():
 
 
 def test_retry_hint_is_clamped():
-    pool = GenerationSessionPool(max_active=1, max_queue=0, queue_timeout_s=5.0)
+    pool = RequestPool(max_active=1, max_queue=0, queue_timeout_s=5.0)
     pool.submit("a", now=0)
     with pytest.raises(Overloaded) as info:
         pool.submit("b", now=0)
@@ -74,7 +74,7 @@ def test_retry_hint_is_clamped():
 
 
 def test_queued_cancel_is_immediate_and_active_cancel_is_not():
-    pool = GenerationSessionPool(max_active=1, max_queue=4, queue_timeout_s=30.0)
+    pool = RequestPool(max_active=1, max_queue=4, queue_timeout_s=30.0)
     for rid in ["a", "b", "c", "d"]:
         pool.submit(rid, now=0)
     assert pool.cancel("c") is True
@@ -87,7 +87,7 @@ def test_queued_cancel_is_immediate_and_active_cancel_is_not():
 
 
 def test_queue_timeout_expiry_in_fifo_order():
-    pool = GenerationSessionPool(max_active=1, max_queue=5, queue_timeout_s=5.0)
+    pool = RequestPool(max_active=1, max_queue=5, queue_timeout_s=5.0)
     pool.submit("a", now=0.0)
     queued = [pool.submit("b", now=0.0), pool.submit("c", now=1.0), pool.submit("d", now=3.0)]
     assert [q.deadline for q in queued] == [5.0, 6.0, 8.0]
@@ -99,7 +99,7 @@ def test_queue_timeout_expiry_in_fifo_order():
 
 
 def test_finish_is_idempotent_and_finishing_a_queued_request_cancels_it():
-    pool = GenerationSessionPool(max_active=1, max_queue=2, queue_timeout_s=5.0)
+    pool = RequestPool(max_active=1, max_queue=2, queue_timeout_s=5.0)
     pool.submit("a", now=0)
     pool.submit("b", now=0)
     assert pool.finish("b", now=0) == [] and not pool.is_queued("b")
@@ -109,13 +109,13 @@ def test_finish_is_idempotent_and_finishing_a_queued_request_cancels_it():
 
 
 def test_duplicate_id_and_bad_config_are_rejected():
-    pool = GenerationSessionPool(max_active=1, max_queue=1, queue_timeout_s=5.0)
+    pool = RequestPool(max_active=1, max_queue=1, queue_timeout_s=5.0)
     pool.submit("a", now=0)
     with pytest.raises(BadRequest):
         pool.submit("a", now=0)
     for args in [(0, 1, 1.0), (1, -1, 1.0), (1, 1, 0.0), (1, 1, float("nan"))]:
         with pytest.raises(ValueError):
-            GenerationSessionPool(*args)
+            RequestPool(*args)
 
 
 ops = st.lists(
@@ -131,7 +131,7 @@ ops = st.lists(
 @given(max_active=st.integers(1, 3), max_queue=st.integers(0, 4), sequence=ops)
 @settings(max_examples=300, deadline=None)
 def test_random_sequences_keep_strict_fifo_and_bounds(max_active, max_queue, sequence):
-    pool = GenerationSessionPool(max_active, max_queue, queue_timeout_s=4.0)
+    pool = RequestPool(max_active, max_queue, queue_timeout_s=4.0)
     now, waiting, started, next_id = 0.0, [], [], 0  # waiting: model of the queue
     for op, i, dt in sequence:
         now += dt
@@ -171,7 +171,7 @@ def test_random_sequences_keep_strict_fifo_and_bounds(max_active, max_queue, seq
 
 
 def test_one_client_cannot_take_every_place():
-    pool = GenerationSessionPool(3, 10, 30.0, client_max_active=1, client_max_queued=2)
+    pool = RequestPool(3, 10, 30.0, client_max_active=1, client_max_queued=2)
     assert isinstance(pool.submit("a1", 0.0, b"A"), Admitted)
     assert isinstance(pool.submit("a2", 0.1, b"A"), Queued)  # places are free, but A is at its cap
     assert isinstance(pool.submit("b1", 0.2, b"B"), Admitted)  # passes A's waiting request
@@ -180,7 +180,7 @@ def test_one_client_cannot_take_every_place():
 
 
 def test_a_clients_queue_share_is_capped_with_a_reason():
-    pool = GenerationSessionPool(1, 10, 30.0, client_max_active=1, client_max_queued=2)
+    pool = RequestPool(1, 10, 30.0, client_max_active=1, client_max_queued=2)
     pool.submit("a1", 0.0, b"A")
     pool.submit("a2", 0.0, b"A")
     pool.submit("a3", 0.0, b"A")
@@ -200,7 +200,7 @@ client_ops = st.lists(
 @given(cap=st.integers(1, 2), queued_cap=st.integers(0, 3), sequence=client_ops)
 @settings(max_examples=300, deadline=None)
 def test_random_sequences_with_clients_keep_caps_and_waste_no_place(cap, queued_cap, sequence):
-    pool = GenerationSessionPool(3, 6, 4.0, client_max_active=cap, client_max_queued=queued_cap)
+    pool = RequestPool(3, 6, 4.0, client_max_active=cap, client_max_queued=queued_cap)
     owner, started, order, next_id, now = {}, [], [], 0, 0.0
     for op, i, dt, client in sequence:
         now += dt
