@@ -27,7 +27,7 @@ def prompts(model: str, system_tokens: int, clients: int, rounds: int) -> tuple[
     """(system prompt ids, per round the question ids of each client); questions differ in every round."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from services.engine.model.loader import resolve_dtype
+    from services.engine.dtypes import resolve_dtype
     from services.engine.model.paths import resolve_model
     from services.eval.corpus import corpus_token_ids
 

@@ -166,7 +166,8 @@ def workload(args, **changes) -> Workload:
 def phase_core(args, report: Report, deadline: float) -> None:
     """EngineCore in this process, on the device the first engine would get."""
     from ops.serve_load import core_level
-    from services.commands.engine import EngineSettings, build_service, describe_device, select_device
+    from services.commands.engine import build_service, describe_device, select_device
+    from shared.settings import EngineSettings
     from services.commands.serve import engine_placement, resolve_device, visible_gpus
 
     gpus = visible_gpus()

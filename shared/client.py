@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from shared.errors import ButtermilkError, ErrorCode
+from shared.errors import ButtermilkError, ErrorCode, one_line
 from shared.protocol import (
     CLIENT_REPLY_TYPES,
     Cancel,
@@ -80,19 +80,6 @@ def validate_address(address: str) -> None:
     finally:
         sock.close(linger=0)
         ctx.term()
-
-
-def one_line(exc: Exception) -> str:
-    """A pydantic ValidationError as `field: message; ...` (other errors: `str(exc)`)."""
-    errors = getattr(exc, "errors", None)
-    if not callable(errors):
-        return str(exc)
-    parts = []
-    for err in errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()))
-        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
 
 
 class ServerError(ButtermilkError):

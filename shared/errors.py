@@ -115,3 +115,16 @@ class ModelNotFound(ButtermilkError):
     """`--model` names no usable model (missing path, malformed folder or GGUF file)."""
 
     code = ErrorCode.MODEL_NOT_FOUND
+
+
+def one_line(exc: Exception) -> str:
+    """A pydantic ValidationError as `field: message; ...` (other errors: `str(exc)`)."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    parts = []
+    for err in errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)

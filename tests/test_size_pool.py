@@ -8,7 +8,8 @@ import math
 import mlx.core as mx
 import pytest
 
-from services.commands.engine import EngineSettings, pool_capacity
+from services.commands.engine import pool_capacity
+from shared.settings import EngineSettings
 from services.commands.pool_size import TokenCounts
 from services.engine import sizing
 from services.engine.cache import CacheOptions, make_layer_caches, schemes

@@ -14,7 +14,7 @@ import json
 import math
 import sys
 
-from .gateway import DEFAULT_ADDRESS
+from shared.settings import DEFAULT_ADDRESS
 
 CANCEL_WAIT_S = 2.0  # after Ctrl-C, how long to wait for the cancelled request's `done`
 EXIT_INTERRUPTED = 130

@@ -11,33 +11,10 @@ import argparse
 import os
 import time
 
-from pydantic import Field
-
 from shared.errors import BadRequest
-from shared.settings import ModelSettings
+from shared.settings import EngineSettings, ModelSettings
 
-from .controller import DEFAULT_CONTROLLER_ADDRESS, add_settings_arguments, parse_settings
-from .gateway import DEFAULT_ENGINE_CMD_ADDRESS, DEFAULT_ENGINE_OUT_ADDRESS
-from .options import add_model_arguments
-
-
-class EngineSettings(ModelSettings):
-    engine_id: str = Field("e0", min_length=1, max_length=64, description="this engine's name")
-    epoch: int | None = Field(None, ge=0, description="restart count (default: wall-clock seconds, rising across restarts)")
-    device: str = Field("cpu", description="cpu or gpu:N")
-    capacity_tokens: int = Field(32768, ge=16, description="KV tokens the engine's cache holds, all slots together")
-    kv_memory_gib: float | None = Field(None, gt=0, description="size the KV pool to this many GiB instead of --capacity-tokens")
-    kv_memory_fraction: float | None = Field(None, gt=0, le=1, description="size the KV pool to this share of the device's memory instead of --capacity-tokens")
-    status_interval_s: float = Field(10.0, ge=0, description="seconds between status log lines (0: none)")
-    max_slots: int = Field(16, ge=1, description="sequences held at once (sessions included)")
-    step_token_budget: int = Field(512, ge=1, description="tokens computed per step (prefill chunks and decodes)")
-    page_size: int = Field(16, ge=1, description="tokens per KV page")
-    wait_timeout_s: float = Field(60.0, gt=0, description="longest wait of an accepted request for a slot, seconds")
-    drain_timeout_s: float = Field(5.0, ge=0, description="on shutdown, how long running requests may finish, seconds")
-    no_prefix_cache: bool = Field(False, description="do not share cached pages of common prompt prefixes")
-    engine_cmd_address: str = Field(DEFAULT_ENGINE_CMD_ADDRESS, description="the gateway's engine-cmd ROUTER")
-    engine_out_address: str = Field(DEFAULT_ENGINE_OUT_ADDRESS, description="the gateway's engine-out PULL")
-    controller_address: str = Field(DEFAULT_CONTROLLER_ADDRESS, description="the controller's ROUTER")
+from .options import add_model_arguments, add_settings_arguments, parse_settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,39 +9,10 @@ from __future__ import annotations
 
 import argparse
 
-from pydantic import Field
-
 from shared.errors import BadRequest
-from shared.settings import ModelSettings
+from shared.settings import GatewaySettings, ModelSettings
 
-from .controller import DEFAULT_CONTROLLER_ADDRESS, add_settings_arguments, parse_settings
-from .options import add_model_arguments
-
-DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
-DEFAULT_ENGINE_CMD_ADDRESS = "tcp://127.0.0.1:5556"
-DEFAULT_ENGINE_OUT_ADDRESS = "tcp://127.0.0.1:5557"
-DEFAULT_HTTP_ADDRESS = "127.0.0.1:8000"
-
-
-class GatewaySettings(ModelSettings):
-    address: str = Field(DEFAULT_ADDRESS, description="client ROUTER endpoint (tcp:// or ipc://)")
-    engine_cmd_address: str = Field(DEFAULT_ENGINE_CMD_ADDRESS, description="ROUTER endpoint engines connect to")
-    engine_out_address: str = Field(DEFAULT_ENGINE_OUT_ADDRESS, description="PULL endpoint engines push tokens to")
-    controller_address: str = Field(DEFAULT_CONTROLLER_ADDRESS, description="the controller's ROUTER endpoint")
-    max_active_requests: int = Field(8, ge=1, description="requests generating at once")
-    max_queue: int = Field(64, ge=0, description="requests waiting in the FIFO queue")
-    queue_timeout_s: float = Field(60.0, gt=0, description="longest wait in the queue, seconds")
-    max_tokens_cap: int = Field(4096, ge=1, description="server cap on max_tokens")
-    engine_timeout_s: float = Field(5.0, gt=0, description="an engine silent this long is declared dead, seconds")
-    control_timeout_s: float = Field(5.0, gt=0, description="longest wait for the controller, seconds")
-    drain_timeout_s: float = Field(5.0, ge=0, description="on shutdown, how long running requests may finish, seconds")
-    client_max_active: int = Field(4, ge=1, description="requests one connection may run at once")
-    client_max_queued: int = Field(16, ge=0, description="requests one connection may have waiting")
-    client_max_sessions: int = Field(8, ge=0, description="live sessions one connection may have started")
-    client_max_leases: int = Field(4, ge=0, description="live leases one connection may have opened")
-    client_max_pending_control: int = Field(16, ge=1, description="control requests one connection may have waiting for the controller")
-    http_address: str = Field(DEFAULT_HTTP_ADDRESS, description="HOST:PORT of the OpenAI-compatible HTTP API and /metrics, or off")
-    served_model_name: str | None = Field(None, description="comma-separated model names the HTTP API answers to; the first is listed (default: the model's name, then --model)")
+from .options import add_model_arguments, add_settings_arguments, parse_settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +33,8 @@ def build_core(settings: GatewaySettings, observer=None):
     """
     from mlx_lm.utils import load_config, load_tokenizer
 
-    from services.engine.model.loader import LoadedModel, resolve_dtype
+    from services.engine.dtypes import resolve_dtype
+    from services.engine.model.loader import LoadedModel
     from services.engine.model.paths import resolve_model
     from services.engine.runtime import cache_options
     from services.gateway.clients import ClientLimits

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from services.engine.runtime import open_model
     from pydantic import ValidationError
 
-    from shared.client import one_line
+    from shared.errors import one_line
     from shared.protocol import SamplingParams
 
     settings = settings_from_args(args)

@@ -1,12 +1,15 @@
-"""Flags shared by commands that load a model, and their translation into settings and options."""
+"""Command-line flags: the model flags, and any settings class (`shared/settings.py`) as flags."""
 
 from __future__ import annotations
 
 import argparse
+import types
+import typing
 
 from pydantic import ValidationError
+from pydantic_settings import BaseSettings
 
-from shared.errors import BadRequest
+from shared.errors import BadRequest, one_line
 from shared.settings import ModelSettings
 
 
@@ -24,18 +27,37 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> ModelSettings:
-    """Settings from the environment, overridden by the flags that were given."""
-    overrides = {
-        name: getattr(args, name)
-        for name in ModelSettings.model_fields
-        if getattr(args, name, None) is not None
-    }
+    """Model settings from the environment, overridden by the flags that were given."""
+    return parse_settings(ModelSettings, args)
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings], *, skip=()) -> None:
+    """Add one `--flag-name` per field of `cls` (defaults stay with the settings)."""
+    for name, info in cls.model_fields.items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        kind = _scalar_type(info.annotation)
+        if kind is bool:
+            parser.add_argument(flag, dest=name, action="store_true", default=None, help=info.description)
+        else:
+            parser.add_argument(flag, dest=name, type=kind, help=f"{info.description} (default {info.default})")
+
+
+def parse_settings(cls: type[BaseSettings], args: argparse.Namespace):
+    """Settings from the environment, overridden by the flags that were given.
+
+    Raises:
+        BadRequest: a value fails the settings' validation.
+    """
+    overrides = {n: getattr(args, n) for n in cls.model_fields if getattr(args, n, None) is not None}
     try:
-        return ModelSettings(**overrides)
+        return cls(**overrides)
     except ValidationError as exc:
-        raise BadRequest(one_line(exc)) from exc
+        raise BadRequest(one_line(exc)) from None
 
 
-def one_line(exc: ValidationError) -> str:
-    """A pydantic validation error as one line: `field: reason; field: reason`."""
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())
+def _scalar_type(annotation) -> type:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation if annotation in (bool, int, float, str) else str

@@ -154,7 +154,7 @@ def render(report: dict) -> str:
 
 def _geometry(args: argparse.Namespace):
     """(KVGeometry, context tokens) from explicit flags or the model's config."""
-    from services.engine.model.gguf import DTYPES
+    from services.engine.dtypes import DTYPES
     from services.engine.sizing import KVGeometry
 
     device_dtype = "float32" if args.device == "cpu" else "float16"  # what `auto` means on the device

@@ -16,28 +16,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from shared.settings import ControllerSettings, EngineSettings, GatewaySettings, ModelSettings, ServeSettings
 
-from shared.settings import ModelSettings
-
-from .controller import ControllerSettings, add_settings_arguments, parse_settings
-from .engine import EngineSettings
-from .gateway import GatewaySettings, served_model_names
-from .options import add_model_arguments
+from .gateway import served_model_names
+from .options import add_model_arguments, add_settings_arguments, parse_settings
 
 # Fields serve decides for its children rather than passing through.
 _PLANNED = {"engine_cmd_address", "engine_out_address", "controller_address", "engine_id", "epoch",
             "device", "model", "dtype"}  # fmt: skip
-
-
-class ServeSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="BUTTERMILK_", extra="ignore")
-
-    engines: int = Field(1, ge=1, le=64, description="engine processes")
-    device: str = Field("auto", description="auto (gpu if there is one, else cpu), cpu (engines share it), "
-                        "gpu (one engine per GPU, round robin) or gpu:N (all on GPU N)")
-    run_dir: str | None = Field(None, description="folder for the internal ipc sockets (default: a new temporary folder)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

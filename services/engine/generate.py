@@ -10,10 +10,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from shared.detok import IncrementalDetokenizer
-from shared.errors import BadRequest, ContextOverflow
+from shared.errors import BadRequest
 from shared.protocol import FinishReason, SamplingParams
 from shared.text_stream import TextStream
 
+from .request import cap_max_tokens
 from .sampling import RequestSampler
 
 
@@ -57,20 +58,6 @@ def prefill(model: nn.Module, caches: list, token_ids: list[int], *, chunk: int)
         model(tokens[:, start : min(start + chunk, len(token_ids) - 1)], cache=caches)
         mx.eval([c.state for c in caches])
     return model(tokens[:, -1:], cache=caches)[0, -1]
-
-
-def cap_max_tokens(prompt_tokens: int, max_tokens: int, max_context: int) -> int:
-    """Cap generation so prompt + output fits the context (tokens).
-
-    Raises:
-        BadRequest: an empty prompt.
-        ContextOverflow: the prompt alone leaves no room for one generated token.
-    """
-    if prompt_tokens == 0:
-        raise BadRequest("the prompt is empty: nothing to generate from")
-    if prompt_tokens >= max_context:
-        raise ContextOverflow(prompt_tokens, max_context)
-    return min(max_tokens, max_context - prompt_tokens)
 
 
 def generate(

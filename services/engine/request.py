@@ -11,7 +11,7 @@ import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from shared.errors import ButtermilkError
+from shared.errors import BadRequest, ButtermilkError, ContextOverflow
 from shared.protocol import FinishReason
 
 from .cache.pages import SlotView
@@ -42,6 +42,20 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: FinishReason.CANCELLED,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
+
+
+def cap_max_tokens(prompt_tokens: int, max_tokens: int, max_context: int) -> int:
+    """Cap generation so prompt + output fits the context (tokens).
+
+    Raises:
+        BadRequest: an empty prompt.
+        ContextOverflow: the prompt alone leaves no room for one generated token.
+    """
+    if prompt_tokens == 0:
+        raise BadRequest("the prompt is empty: nothing to generate from")
+    if prompt_tokens >= max_context:
+        raise ContextOverflow(prompt_tokens, max_context)
+    return min(max_tokens, max_context - prompt_tokens)
 
 
 class ReadOnlyTokens(Sequence[int]):

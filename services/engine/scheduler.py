@@ -27,8 +27,7 @@ from shared.errors import BadRequest, ButtermilkError, CapacityExhausted
 
 from .cache.pages import SlotTable, SlotView
 from .cache.prefix import PrefixHit
-from .generate import cap_max_tokens
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, cap_max_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from kernels.kv_format import AFFINE, AURA, RAW, LayerFormat, PartFormat
-from services.engine.model.gguf import DTYPES
+from services.engine.dtypes import mx_dtype
 
 AURA_SEED = 0x0A0A  # base of the per-layer rotation seeds (K: +2*layer, V: +2*layer+1); part of the format
 # Affine bits -> group size. affine6 at group 64 (6.5 bits/element) sits between affine4
@@ -157,17 +157,6 @@ def part_from_meta(meta: dict[str, str]) -> PartFormat:
         if kind not in (RAW, AFFINE, AURA):
             raise ValueError(f"unknown KV part kind {kind!r} in meta {meta}")
         return PartFormat(kind, int(meta["bits"]), int(meta["group_size"]), int(meta["seed"]),
-                          resolve_dtype(meta["dtype"]))
+                          mx_dtype(meta["dtype"]))
     except KeyError as exc:
         raise ValueError(f"KV part meta {meta} lacks {exc}") from exc
-
-
-def resolve_dtype(name: str) -> mx.Dtype:
-    """`"float16"` -> `mx.float16` (the dtype table of the importer).
-
-    Raises:
-        ValueError: an unknown dtype name.
-    """
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
-    return DTYPES[name]

@@ -31,14 +31,14 @@ import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
-from shared.errors import BadRequest, ModelNotFound
+from shared.errors import ModelNotFound
 
+from ..dtypes import DTYPES, resolve_dtype
 from .gguf_arch import Family, family
 from .gguf_read import GGUFContents, read_gguf
 from .gguf_spm import sentencepiece_tokenizer
 
 FORMAT_VERSION = 3  # bump when the written folder changes; cached conversions are keyed on it
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _TOKEN_CONTROL = 3  # llama.cpp TokenType.CONTROL: special tokens such as <|im_end|>
 _TOKEN_USER_DEFINED = 4  # llama.cpp TokenType.USER_DEFINED: added, non-special tokens
 
@@ -56,27 +56,6 @@ def _byte_level_digits() -> pre_tokenizers.PreTokenizer:
 _PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {"smollm": _byte_level_digits}
 
 
-def resolve_dtype(dtype: str | None) -> str:
-    """Names the output dtype: `dtype` itself, or the fast default for the device.
-
-    Args:
-        dtype: "float32", "float16", "bfloat16" or None. None means float32 on the
-            CPU (MLX's Linux CPU backend runs fp16/bf16 matmuls slowly but float32
-            through BLAS) and float16 on a GPU.
-
-    Returns:
-        One of the keys of `DTYPES`.
-
-    Raises:
-        BadRequest: `dtype` is not one of those names.
-    """
-    if dtype is None:
-        return "float32" if mx.default_device().type == mx.cpu else "float16"
-    if dtype not in DTYPES:
-        raise BadRequest(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-    return dtype
-
-
 def convert_gguf(
     gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str | None = None, progress: bool = True
 ) -> Path:
@@ -90,7 +69,7 @@ def convert_gguf(
             Q8_0 by `mx.dequantize`, other GGML types such as Q5_0, Q4_K, Q6_K by the
             `gguf` library, see `gguf_read`), then cast to `dtype`.
         out_dir: The folder to create; it must not exist yet.
-        dtype: Weight dtype of the output, see `resolve_dtype`.
+        dtype: Weight dtype of the output, see `services.engine.dtypes.resolve_dtype`.
         progress: Show a tqdm bar over the tensors on stderr.
 
     Returns:

@@ -13,8 +13,7 @@ import mlx.nn as nn
 from shared.errors import ModelNotFound
 
 from .. import attention
-from .gguf import DTYPES
-from .gguf import resolve_dtype as gguf_resolve_dtype
+from ..dtypes import DTYPES, resolve_dtype
 from .paths import resolve_model
 
 @dataclass(frozen=True)
@@ -44,11 +43,6 @@ class LoadedModel:
         from ..cache import model_dtype
 
         return model_dtype(self.model)
-
-
-def resolve_dtype(dtype: str) -> str:
-    """`"auto"` → float32 on the CPU backend (BLAS-backed matmuls), else float16 (see `gguf.resolve_dtype`)."""
-    return gguf_resolve_dtype(None if dtype == "auto" else dtype)
 
 
 def load_model(spec: str, *, dtype: str = "auto") -> LoadedModel:

@@ -19,7 +19,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from services.engine.model.gguf import FORMAT_VERSION, convert_gguf, resolve_dtype
+from services.engine.dtypes import resolve_dtype
+from services.engine.model.gguf import FORMAT_VERSION, convert_gguf
 from shared.errors import ModelNotFound
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -91,7 +92,7 @@ def resolve_model(spec: str, *, dtype: str | None = None) -> Path:
     Args:
         spec: `"default"`, `"gemma3-270m"`, a path to a `.gguf` file, or a folder holding
             `config.json` and `*.safetensors` (returned as is; `dtype` is ignored).
-        dtype: Weight dtype of a conversion, see `gguf.resolve_dtype`.
+        dtype: Weight dtype of a conversion, see `services.engine.dtypes.resolve_dtype`.
 
     Returns:
         The model folder. Conversions live in `data_dir()/models/`, named
