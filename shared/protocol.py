@@ -63,7 +63,9 @@ from shared.protocol_base import (  # re-exported: this module is the one to imp
     WireMessage,
 )
 from shared.protocol_internal import (
+    DEFAULT_ENGINE_TIMEOUT_S,
     GATEWAY_ROUTING_ID,
+    HEARTBEAT_S,
     EngineAbort,
     EngineDead,
     EngineFinished,
@@ -81,6 +83,7 @@ from shared.protocol_internal import (
     Revoked,
     SamplingParams,
     TokenChunk,
+    is_silent,
 )
 
 # ---- client → gateway -------------------------------------------------------------------

@@ -38,6 +38,22 @@ from shared.protocol_base import (
 
 Positive = Annotated[int, Field(ge=1)]
 GATEWAY_ROUTING_ID = b"gateway"  # ZeroMQ routing id of the gateway's DEALER to the controller
+HEARTBEAT_S = 0.5  # engines send `heartbeat`, the gateway `gateway_heartbeat`, this often, seconds
+DEFAULT_ENGINE_TIMEOUT_S = 5.0  # an engine silent this long is dead (ten missed heartbeats), seconds
+
+
+def is_silent(last_seen: float, now: float, timeout_s: float) -> bool:
+    """The one liveness rule: a peer heard last at `last_seen` is dead at `now` after `timeout_s`.
+
+    The gateway (`EngineTable.expire`) and the controller (`Ledger.expire`) both apply it to
+    engines, with the same `--engine-timeout-s`; whichever notices first sends `engine_dead`
+    to the other, which then follows without judging again.
+
+    Args:
+        last_seen (float), now (float): monotonic seconds.
+        timeout_s (float): silence allowed, seconds.
+    """
+    return now - last_seen >= timeout_s
 
 
 class Geometry(Struct):

@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.protocol_internal import DEFAULT_ENGINE_TIMEOUT_S
+
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_ENGINE_CMD_ADDRESS = "tcp://127.0.0.1:5556"
 DEFAULT_ENGINE_OUT_ADDRESS = "tcp://127.0.0.1:5557"
@@ -42,7 +44,7 @@ class ControllerSettings(BaseSettings):
 
     controller_address: str = Field(DEFAULT_CONTROLLER_ADDRESS, description="ROUTER endpoint to bind")
     session_idle_ttl_s: float = Field(300.0, gt=0, description="a session without a turn ends after this many seconds")
-    engine_timeout_s: float = Field(5.0, gt=0, description="an engine silent this long is declared dead, seconds")
+    engine_timeout_s: float = Field(DEFAULT_ENGINE_TIMEOUT_S, gt=0, description="an engine silent this long is declared dead (gateway and controller alike), seconds")
     retry_after_ms: int = Field(250, ge=0, description="hint sent with overloaded when no engine has room")
     gateway_timeout_s: float = Field(30.0, gt=0, description="a gateway silent this long loses its reservations, leases and sessions, seconds")
     max_leases: int = Field(10_000, ge=1, description="leases open at once, all clients together")
@@ -61,7 +63,7 @@ class GatewaySettings(ModelSettings):
     max_queue: int = Field(64, ge=0, description="requests waiting in the FIFO queue")
     queue_timeout_s: float = Field(60.0, gt=0, description="longest wait in the queue, seconds")
     max_tokens_cap: int = Field(4096, ge=1, description="server cap on max_tokens")
-    engine_timeout_s: float = Field(5.0, gt=0, description="an engine silent this long is declared dead, seconds")
+    engine_timeout_s: float = Field(DEFAULT_ENGINE_TIMEOUT_S, gt=0, description="an engine silent this long is declared dead (gateway and controller alike), seconds")
     control_timeout_s: float = Field(5.0, gt=0, description="longest wait for the controller, seconds")
     drain_timeout_s: float = Field(5.0, ge=0, description="on shutdown, how long running requests may finish, seconds")
     client_max_active: int = Field(4, ge=1, description="requests one connection may run at once")

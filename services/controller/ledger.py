@@ -35,7 +35,7 @@ import secrets
 from dataclasses import replace
 
 from shared.errors import BadRequest, LeaseExpired, Overloaded
-from shared.protocol import EngineUsage
+from shared.protocol import EngineUsage, is_silent
 
 from .room import choose_engine, eviction_plan
 from .ledger_types import (
@@ -235,12 +235,12 @@ class Ledger:
         """
         released = Released()
         if self._gateway_timeout_s is not None:
-            deadline = now - self._gateway_timeout_s
-            for gateway_id in [g for g, seen in self._gateways.items() if seen <= deadline]:
+            timeout_s = self._gateway_timeout_s
+            for gateway_id in [g for g, seen in self._gateways.items() if is_silent(seen, now, timeout_s)]:
                 self._merge(released, self.drop_gateway(gateway_id))
         if self._engine_timeout_s is not None:
-            deadline = now - self._engine_timeout_s
-            for engine in [e for e in self._engines.values() if e.last_seen <= deadline]:
+            timeout_s = self._engine_timeout_s
+            for engine in [e for e in self._engines.values() if is_silent(e.last_seen, now, timeout_s)]:
                 self._merge(released, self.engine_dead(engine.engine_id, engine.epoch))
         for lease in [x for x in self._leases.values() if x.expires_at <= now]:
             self._end_lease(lease.lease_id, released)

@@ -30,6 +30,7 @@ import zmq
 from shared.errors import BadRequest, ButtermilkError, EngineFailed, QueueTimeout, Unavailable
 from shared.logging import get_logger
 from shared.protocol import (
+    HEARTBEAT_S,
     ENGINE_TYPES,
     MAX_ERROR_CHARS,
     EngineAbort,
@@ -55,7 +56,6 @@ from .core import EngineCore, RequestOutput
 from .request import Request, RequestStatus
 from .status import StatusMeter
 
-HEARTBEAT_S = 0.5  # heartbeat period; receivers declare death after several missed beats
 HELLO_EVERY_S = 5.0  # HELLO is repeated so a restarted gateway or controller learns us again
 IDLE_WAIT_S = 0.1  # longest block on the inbox while there is nothing to step
 SNAPSHOT_EVERY_S = 0.2  # how often the heartbeat's figures are refreshed from core.stats()

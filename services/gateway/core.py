@@ -23,6 +23,7 @@ import secrets
 from shared.detok import IncrementalDetokenizer
 from shared.errors import BadRequest, ButtermilkError, EngineFailed, ErrorCode, QueueTimeout, Unavailable
 from shared.protocol import (
+    HEARTBEAT_S,
     Cancel,
     Done,
     EngineAbort,
@@ -65,7 +66,6 @@ from .prompts import Prompt, Prompter, Turn
 from .session_table import SessionTable, session_owner
 from .streams import Phase, Stream
 
-HEARTBEAT_S = 0.5  # gateway → controller heartbeat period
 KEEPALIVE_S = 0.5  # a connection with requests in flight hears something at least this often
 SESSION_PROBE_S = 2.0  # a connection holding sessions between turns gets a keepalive this often
 _WAITING = (Phase.PREPARING, Phase.QUEUED, Phase.RESERVING)  # not on an engine yet

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.protocol import Geometry, Hello
+from shared.protocol import Geometry, Hello, is_silent
 
 
 @dataclass(slots=True)
@@ -77,7 +77,7 @@ class EngineTable:
 
     def expire(self, now: float) -> list[EngineEpoch]:
         """Drop engines silent for `timeout_s`; returns them."""
-        silent = [e for e in self._live.values() if now - e.last_seen >= self.timeout_s]
+        silent = [e for e in self._live.values() if is_silent(e.last_seen, now, self.timeout_s)]
         for entry in silent:
             self.drop(entry.engine_id, entry.epoch)
         return [EngineEpoch(e.engine_id, e.epoch) for e in silent]
