@@ -17,7 +17,7 @@ from services.eval.corpus import (LEE_CORPUS, LEE_SHA256, corpus_token_ids, lee_
                                   split_halves, text_token_ids)
 from services.eval.kv_eval import EvalConfig, evaluate
 from services.eval.metrics import QualityAccumulator, greedy_tokens, kl_divergence, matching_prefix
-from services.eval.recall import recall, recall_prompts
+from services.eval.recall import INSTRUCTION, PASS_KEYS, answer_value, recall, recall_prompts
 
 
 def test_corpus_is_the_documented_file():
@@ -87,7 +87,7 @@ def test_evaluate_raw_row_matches_an_uncached_forward(default_model):
     """The raw row's perplexity equals one plain forward without any cache; AURA bits are exact."""
     model, tokenizer = default_model.model, default_model.tokenizer
     config = EvalConfig(schemes=("aura4v2",), num_tokens=48, chunk=16, num_prompts=1, prompt_tokens=8, max_new=3,
-                        recall_facts=1, recall_filler_tokens=16, recall_window=64, recall_max_new=4)
+                        recall_keys=1, recall_filler_tokens=16, recall_window=64, recall_max_new=4)
     raw, aura = evaluate(model, tokenizer, config)
     assert raw.recall.full[0].matches_raw and len(aura.recall.full) == len(aura.recall.windowed) == 1
     ids = corpus_token_ids(tokenizer, 49)
@@ -106,7 +106,7 @@ def test_evaluate_raw_row_matches_an_uncached_forward(default_model):
 def test_eval_kv_command_writes_json_table_and_plot(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "eval-kv", "--schemes", "affine8,aura4v4", "--tokens", "32",
-         "--chunk", "16", "--prompts", "1", "--max-new", "2", "--recall-facts", "1", "--recall-filler", "24",
+         "--chunk", "16", "--prompts", "1", "--max-new", "2", "--recall-keys", "1", "--recall-filler", "24",
          "--recall-window", "64", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -115,42 +115,60 @@ def test_eval_kv_command_writes_json_table_and_plot(tmp_path):
     assert report["settings"]["num_tokens"] == 32 and report["dtype"] == "float32"
     bits = {r["scheme"]: r["bits_per_element"] for r in report["results"]}
     assert bits == {"raw": 32.0, "affine8": 8.5, "aura4v4": 4.25}
-    assert report["recall_facts"][0]["value"] == "Bartholomew" and report["results"][0]["recall"]["window_size"] == 64
+    assert report["recall_keys"][0]["value"] == "68127" and report["results"][0]["recall"]["window_size"] == 64
     table = (tmp_path / "eval_kv.md").read_text()
     assert table.count("\n") == 5 + 1 + 7 and "| aura4v4 | 4.25 |" in table and table in proc.stdout
-    assert "recall = raw (full; window) |" in table and "| raw | Bartholomew. | Bartholomew. |" in table
+    assert "recall = raw (full; window) |" in table and "| raw | 68127 | 68127 |" in table
     assert (tmp_path / "eval_kv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.model
 def test_recall_prompt_layout(default_model):
-    """Statement, then exactly the corpus's second-half tokens as filler, then question and answer prefix."""
+    """Instruction and key, then exactly the corpus's second-half tokens as filler, then question and answer prefix."""
     tokenizer = default_model.tokenizer
     filler = text_token_ids(tokenizer, split_halves(LEE_CORPUS.read_text(encoding="utf-8"))[1], 40)
-    for prompt in recall_prompts(tokenizer, 3, 40):
+    prompts = recall_prompts(tokenizer, len(PASS_KEYS), 40)
+    assert [p.fact.value for p in prompts] == list(PASS_KEYS)
+    for prompt, key in zip(prompts, PASS_KEYS):
         head = tokenizer.decode(prompt.token_ids[: prompt.fact_tokens])
-        assert head.endswith(prompt.fact.statement + "\n\n") and "<|im_start|>user" in head
+        assert head == f"{INSTRUCTION}The pass key is {key}. Remember it. {key} is the pass key.\n"
         assert prompt.token_ids[prompt.fact_tokens : prompt.fact_tokens + 40] == filler
-        tail = tokenizer.decode(prompt.token_ids[prompt.fact_tokens + 40 :])
-        assert tail == f"\n\n{prompt.fact.question}<|im_end|>\n<|im_start|>assistant\n{prompt.fact.answer_prefix}"
-    with pytest.raises(ValueError, match="recall facts must be 1..3"):
-        recall_prompts(tokenizer, 4, 40)
+        assert tokenizer.decode(prompt.token_ids[prompt.fact_tokens + 40 :]) == "\nWhat is the pass key? The pass key is"
+    with pytest.raises(ValueError, match="recall facts must be 1..5"):
+        recall_prompts(tokenizer, 6, 40)
+
+
+@pytest.mark.parametrize("text, value", [(" 68127.\n", "68127"), (" 681222. 5", "681222"), (" the passkey.", ""),
+                                         ("4 0913", "4")])
+def test_answer_value_is_the_first_run_of_digits(text, value):
+    assert answer_value(text) == value
 
 
 @pytest.mark.model
 def test_recall_answers_against_raw(default_model):
     model, tokenizer = default_model.model, default_model.tokenizer
-    prompts = recall_prompts(tokenizer, 1, 48)
-    window = prompts[0].fact_tokens + 24
+    prompts = recall_prompts(tokenizer, 1, 64)
+    window = prompts[0].fact_tokens + 16
     assert len(prompts[0].token_ids) > window + 40  # the window evicts most of the filler
-    raw = recall(model, tokenizer, prompts, "raw", window_size=window, max_new=6, chunk=64)
+    raw = recall(model, tokenizer, prompts, "raw", window_size=window, max_new=7, chunk=64)
     answer = raw.full[0]
-    assert answer.matches_raw and answer.recalled and answer.text.strip().startswith("Bartholomew")
+    assert answer.matches_raw and answer.recalled and answer.value == PASS_KEYS[0]
+    assert tokenizer.decode(answer.token_ids).startswith(f" {PASS_KEYS[0]}")
     assert not set(answer.token_ids) & set(tokenizer.eos_token_ids)  # cut before EOS
-    aura = recall(model, tokenizer, prompts, "aura2v2", window_size=window, max_new=6, chunk=64,
+    aura = recall(model, tokenizer, prompts, "aura2v2", window_size=window, max_new=7, chunk=64,
                   raw_answers=[answer.token_ids])
     for got in (aura.full[0], aura.windowed[0], raw.windowed[0]):
-        assert got.matches_raw == (got.token_ids == answer.token_ids)
-        assert got.recalled == ("bartholomew" in got.text.lower())
+        assert got.value == answer_value(tokenizer.decode(got.token_ids))
+        assert got.matches_raw == (got.value == answer.value) and got.recalled == (got.value == PASS_KEYS[0])
     with pytest.raises(ValueError, match="must exceed the"):
         recall(model, tokenizer, prompts, "raw", window_size=prompts[0].fact_tokens, max_new=6, chunk=64)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_raw_retrieves_every_pass_key_through_the_full_filler(default_model):
+    """The check's premise: with the raw cache the default model copies each key across 1,500 filler tokens."""
+    model, tokenizer = default_model.model, default_model.tokenizer
+    prompts = recall_prompts(tokenizer, len(PASS_KEYS), 1500)
+    raw = recall(model, tokenizer, prompts, "raw", window_size=256, max_new=7, chunk=512)
+    assert [a.value for a in raw.full] == [a.value for a in raw.windowed] == list(PASS_KEYS)

@@ -3,9 +3,9 @@
 Teacher-forced over the first --tokens tokens of the Lee background corpus in chunks of
 --chunk (later chunks attend to history the scheme stored): mean KL(raw || scheme), top-1
 agreement, perplexity and its change; plus free-running greedy: tokens until the first
-difference from the raw cache; plus prompt recall: a fact told once, --recall-filler tokens of
-news text, then a question, answered greedily with the full cache and under a --recall-window
-whose sinks keep the fact, each answer compared with the raw cache's. Writes eval_kv.json,
+difference from the raw cache; plus passkey retrieval: a pass key told once, --recall-filler
+tokens of news text, then the question, answered greedily with the full cache and under a
+--recall-window whose sinks keep the key, each answer compared with the raw cache's. Writes eval_kv.json,
 eval_kv.md and eval_kv.png to --out.
 """
 
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new", type=int, default=48, help="most greedy tokens per prompt (default 48)")
     parser.add_argument("--kv-raw-layers", type=lambda s: frozenset(int(x) for x in s.split(",") if x),
                         default=frozenset(), help="layers kept raw in every scheme, e.g. 1")
-    parser.add_argument("--recall-facts", type=int, default=3, help="prompt-recall facts, 0 to 3 (default 3; 0: off)")
+    parser.add_argument("--recall-keys", type=int, default=5, help="passkey prompts, 0 to 5 (default 5; 0: off)")
     parser.add_argument("--recall-filler", type=int, default=1500, help="filler tokens before the question (default 1500)")
     parser.add_argument("--recall-window", type=int, default=256,
                         help="window of the windowed recall answers, tokens incl. the fact's sinks (default 256)")
@@ -48,19 +48,19 @@ def run(args: argparse.Namespace) -> int:
                         ("--recall-filler", args.recall_filler)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
-    if not 0 <= args.recall_facts <= len(FACTS):
-        raise ValueError(f"--recall-facts must be 0..{len(FACTS)}, got {args.recall_facts}")
+    if not 0 <= args.recall_keys <= len(FACTS):
+        raise ValueError(f"--recall-keys must be 0..{len(FACTS)}, got {args.recall_keys}")
     loaded = load_model(args.model, dtype=args.dtype)
     config = EvalConfig(schemes=tuple(s for s in args.schemes.split(",") if s), num_tokens=args.tokens,
                         chunk=args.chunk, num_prompts=args.prompts, max_new=args.max_new,
-                        raw_layers=args.kv_raw_layers, recall_facts=args.recall_facts,
+                        raw_layers=args.kv_raw_layers, recall_keys=args.recall_keys,
                         recall_filler_tokens=args.recall_filler, recall_window=args.recall_window)
     results = evaluate(loaded.model, loaded.tokenizer, config)
     dtype = str(loaded.dtype).removeprefix("mlx.core.")
     args.out.mkdir(parents=True, exist_ok=True)
     report = results_dict(results, config, model=loaded.path.name, dtype=dtype)
     (args.out / "eval_kv.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown_table(results) + ("\n" + recall_table(results) if args.recall_facts else "")
+    table = markdown_table(results) + ("\n" + recall_table(results) if args.recall_keys else "")
     (args.out / "eval_kv.md").write_text(table)
     title = f"{loaded.path.name} ({dtype}), {args.tokens} Lee-corpus tokens in chunks of {args.chunk}"
     plot_quality(results, args.out / "eval_kv.png", title=title)

@@ -26,10 +26,10 @@ class EvalConfig:
     prompt_tokens: int = 32  # tokens per prompt
     max_new: int = 48  # most greedy tokens per prompt
     raw_layers: frozenset[int] = field(default_factory=frozenset)  # layers kept raw in every scheme
-    recall_facts: int = 3  # prompt-recall facts (0: no recall check)
+    recall_keys: int = 5  # passkey prompts (0: no recall check)
     recall_filler_tokens: int = 1500  # filler between a fact and its question (tokens)
     recall_window: int = 256  # window of the windowed recall answers (tokens, sinks included)
-    recall_max_new: int = 8  # most answer tokens
+    recall_max_new: int = 8  # most answer tokens (a five-digit key is six: a space and one token per digit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +62,7 @@ def evaluate(model: nn.Module, tokenizer, config: EvalConfig) -> list[SchemeResu
     """Run the raw cache, then every scheme, over the same corpus tokens and prompts.
 
     Per scheme: teacher-forced quality and size, free-running agreement, and (unless
-    `config.recall_facts` is 0) the prompt-recall answers, full and windowed (`recall.py`).
+    `config.recall_keys` is 0) the prompt-recall answers, full and windowed (`recall.py`).
 
     Args:
         model (nn.Module): mlx-lm model (the default model for the acceptance numbers).
@@ -85,7 +85,7 @@ def evaluate(model: nn.Module, tokenizer, config: EvalConfig) -> list[SchemeResu
 
 def raw_reference(model: nn.Module, tokenizer, config: EvalConfig) -> Reference:
     """Teacher-forced log-probabilities and greedy continuations of the raw cache."""
-    facts = recall_prompts(tokenizer, config.recall_facts, config.recall_filler_tokens) if config.recall_facts else []
+    facts = recall_prompts(tokenizer, config.recall_keys, config.recall_filler_tokens) if config.recall_keys else []
     check_window(facts, config.recall_window)
     ids = corpus_token_ids(tokenizer, config.num_tokens + 1)
     prompts = prompt_token_ids(tokenizer, config.num_prompts, config.prompt_tokens)

@@ -1,18 +1,25 @@
-"""Prompt recall: a fact told once, ~1,500 tokens of filler, then a question about it (`eval-kv`).
+"""Passkey retrieval: a pass key told once, ~1,500 tokens of filler, then asked for (`eval-kv`).
 
-Each prompt is one chat turn: the fact's statement, Lee-corpus news text as filler (from the
-corpus's second half), the question; the assistant's answer is started with a fixed prefix
-and continued greedily. Every scheme answers twice: with its full cache, and under a sliding
-window whose attention sinks are exactly the tokens through the statement (so the fact stays
-while most of the filler is evicted). An answer *matches raw* when its tokens, up to EOS,
-equal the raw full cache's; it *recalls* when it contains the fact's value.
+Each prompt is plain text in the layout of Mohtashami & Jaggi's passkey test ("Landmark
+Attention", arXiv 2305.16300): their instruction, "The pass key is 68127. Remember it. 68127 is
+the pass key.", the filler, then "What is the pass key? The pass key is", continued greedily.
+The filler is Lee-corpus news text (the start of the corpus's second half) rather than their
+repeated "The grass is green..." sentences: natural text gives attention more to get wrong, and
+the raw cache retrieves every key with either. The keys are copied from the prompt, not known
+to the model, so a wrong answer is a retrieval failure, not a gap in the model's knowledge. No
+chat template: wrapped in one, the default (instruct) model explains what a pass key is instead
+of copying it, even with the raw cache.
 
-Source: the passkey-retrieval test (Mohtashami & Jaggi, arXiv 2305.16300) with a natural-text
-filler; sinks as in StreamingLLM (arXiv 2309.17453).
+Every scheme answers twice: with its full cache, and under a sliding window whose attention
+sinks are exactly the tokens through the key's statement (so the key stays while most of the
+filler is evicted; sinks as in StreamingLLM, arXiv 2309.17453). An answer's *value* is its
+first run of digits; it *matches raw* when that equals the raw full cache's value, and
+*recalls* when it equals the key.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import mlx.nn as nn
@@ -22,24 +29,25 @@ from services.engine.cache import CacheOptions, Window, make_layer_caches
 from .corpus import LEE_CORPUS, split_halves, text_token_ids
 from .metrics import greedy_tokens
 
-_FILLER_MARK = "\x00FILLER\x00"
+INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+               "I will quiz you about the important information there.\n\n")  # Mohtashami & Jaggi's
+PASS_KEYS = ("68127", "40913", "27584", "93046", "51738")  # five digits, as in the paper; raw retrieves each
+_QUESTION = "What is the pass key?"
+_ANSWER_PREFIX = "The pass key is"
 
 
 @dataclass(frozen=True, slots=True)
 class RecallFact:
     """A fact to tell once and ask for at the end."""
 
-    statement: str  # told at the start, e.g. "My cat's name is Bartholomew."
-    question: str  # asked at the end
+    statement: str  # told after the instruction, e.g. "The pass key is 68127. Remember it. ..."
+    question: str  # asked after the filler
     answer_prefix: str  # the answer's forced start; greedy decoding continues it
-    value: str  # what a correct answer contains
+    value: str  # the correct answer's value
 
 
-FACTS = (
-    RecallFact("My cat's name is Bartholomew.", "What is my cat's name?", "Your cat's name is", "Bartholomew"),
-    RecallFact("The meeting is in room 714.", "In which room is the meeting?", "The meeting is in room", "714"),
-    RecallFact("The secret word is pineapple.", "What is the secret word?", "The secret word is", "pineapple"),
-)
+FACTS = tuple(RecallFact(f"The pass key is {key}. Remember it. {key} is the pass key.", _QUESTION, _ANSWER_PREFIX,
+                         key) for key in PASS_KEYS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +55,7 @@ class RecallPrompt:
     """One fact's prompt, tokenized."""
 
     fact: RecallFact
-    token_ids: list[int]  # statement, filler, question, answer prefix (chat-templated when possible)
+    token_ids: list[int]  # instruction and statement, filler, question and answer prefix
     fact_tokens: int  # tokens up to and including the statement: the sinks a window keeps
 
 
@@ -57,8 +65,9 @@ class RecallAnswer:
 
     token_ids: tuple[int, ...]  # the continuation of the answer prefix, up to EOS
     text: str  # the same, decoded
-    matches_raw: bool  # same tokens as the raw full cache's answer
-    recalled: bool  # contains the fact's value
+    value: str  # its first run of digits ("" when there is none)
+    matches_raw: bool  # same value as the raw full cache's answer
+    recalled: bool  # the value is the pass key
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,17 +99,16 @@ def check_window(prompts: list[RecallPrompt], window_size: int) -> None:
         raise ValueError(f"the recall window ({window_size} tokens) must exceed the {longest} tokens through the fact")
 
 
+def answer_value(text: str) -> str:
+    """The first run of digits in an answer ("" when there is none): what the passkey test scores."""
+    match = re.search(r"\d+", text)
+    return match[0] if match else ""
+
+
 def _prompt(tokenizer, fact: RecallFact, filler: list[int]) -> RecallPrompt:
-    content = f"{fact.statement}\n\n{_FILLER_MARK}\n\n{fact.question}"
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                             tokenize=False)
-    else:
-        text = content + "\n"
-    head, tail = (text + fact.answer_prefix).split(_FILLER_MARK)
-    head_ids = list(tokenizer.encode(head, add_special_tokens=False))
-    return RecallPrompt(fact, head_ids + filler + list(tokenizer.encode(tail, add_special_tokens=False)),
-                        len(head_ids))
+    head = list(tokenizer.encode(f"{INSTRUCTION}{fact.statement}\n", add_special_tokens=False))
+    tail = list(tokenizer.encode(f"\n{fact.question} {fact.answer_prefix}", add_special_tokens=False))
+    return RecallPrompt(fact, head + filler + tail, len(head))
 
 
 def answer_tokens(model: nn.Module, tokenizer, prompt: RecallPrompt, scheme: str, *, window: Window | None,
@@ -149,7 +157,9 @@ def recall(model: nn.Module, tokenizer, prompts: list[RecallPrompt], scheme: str
 
     def scored(tokens: list[int], prompt: RecallPrompt, raw: tuple[int, ...]) -> RecallAnswer:
         text = tokenizer.decode(tokens)
-        return RecallAnswer(tuple(tokens), text, tuple(tokens) == tuple(raw), prompt.fact.value.lower() in text.lower())
+        value = answer_value(text)
+        return RecallAnswer(tuple(tokens), text, value, value == answer_value(tokenizer.decode(raw)),
+                            value == prompt.fact.value)
 
     return RecallResult(tuple(scored(t, p, r) for t, p, r in zip(full, prompts, reference)),
                         tuple(scored(t, p, r) for t, p, r in zip(windowed, prompts, reference)), window_size)

@@ -11,9 +11,9 @@ from .recall import FACTS, RecallAnswer, RecallResult
 def results_dict(results: list[SchemeResult], config: EvalConfig, *, model: str, dtype: str) -> dict:
     """Everything measured, plus the run's settings (JSON-serialisable)."""
     settings = asdict(config) | {"raw_layers": sorted(config.raw_layers), "schemes": list(config.schemes)}
-    facts = [asdict(f) for f in FACTS[: config.recall_facts]]
+    facts = [asdict(f) for f in FACTS[: config.recall_keys]]
     return {"model": model, "dtype": dtype, "corpus": "lee_background.cor", "settings": settings,
-            "recall_facts": facts, "results": [_row(r) for r in results]}
+            "recall_keys": facts, "results": [_row(r) for r in results]}
 
 
 def _row(result: SchemeResult) -> dict:
@@ -44,14 +44,14 @@ def markdown_table(results: list[SchemeResult]) -> str:
 
 
 def recall_table(results: list[SchemeResult]) -> str:
-    """Per scheme and fact: the answer with the full cache and under the window; `*` marks one unlike raw's."""
+    """Per scheme and pass key: the answer's value, full cache and under the window; `*` marks one unlike raw's."""
     first = next((r.recall for r in results if r.recall), None)
     if first is None:
         return ""
     facts = range(len(first.full))
-    lines = [f"Prompt recall (answers after the forced prefix; window {first.window_size} tokens with the fact "
-             "in its sinks; * = differs from raw's full-cache answer):", "",
-             "| scheme | " + " | ".join(f"fact {i + 1}: full | fact {i + 1}: window" for i in facts) + " |",
+    lines = [f"Passkey retrieval (the digits after \"The pass key is\"; window {first.window_size} tokens with the "
+             "key in its sinks; * = differs from raw's full-cache answer):", "",
+             "| scheme | " + " | ".join(f"key {i + 1}: full | key {i + 1}: window" for i in facts) + " |",
              "|---|" + "---|---|" * len(first.full)]
     for r in results:
         cells = [_answer(a) for i in facts for a in (r.recall.full[i], r.recall.windowed[i])]
@@ -68,5 +68,5 @@ def _recall_counts(recall: RecallResult | None) -> str:
 
 
 def _answer(answer: RecallAnswer) -> str:
-    text = answer.text.replace("|", "\\|").replace("\n", " ").strip()
-    return f"{'' if answer.matches_raw else '* '}{text}"
+    shown = answer.value or answer.text.replace("|", "\\|").replace("\n", " ").strip()
+    return f"{'' if answer.matches_raw else '* '}{shown}"
