@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 
@@ -82,7 +83,7 @@ def test_sensitivity_equals_independent_full_runs():
     ids = [int(t) for t in np.random.default_rng(3).integers(0, 128, 24)]
     seen = []
     sensitivity = measure_sensitivity(model, ids, chunk=8, widths=(2, 4, 8), on_run=seen.append)
-    assert sensitivity.layers == (0, 1) and len(seen) == 2 * 5
+    assert sensitivity.layers == (0, 1) and len(seen) == 2 * 5 + 2  # + affine8 per layer
     raw = np.concatenate(list(logprob_chunks(model, _caches(model, "raw"), ids, chunk=8)))
     for layer in (0, 1):
         for w in (2, 4, 8):
@@ -91,38 +92,60 @@ def test_sensitivity_equals_independent_full_runs():
                                                               chunk=8)))
                 assert table[layer][w] == pytest.approx(kl_divergence(raw, logprobs).mean(), rel=1e-4)
     assert sensitivity.key_kl[0][8] == sensitivity.value_kl[0][8]
+    assert [row["raw"] for row in sensitivity.whole_kl] == [0.0, 0.0]
+    for layer in (0, 1):
+        logprobs = np.concatenate(list(logprob_chunks(model, _caches(model, f"raw+{layer}=affine8"), ids, chunk=8)))
+        assert sensitivity.whole_kl[layer]["affine8"] == pytest.approx(kl_divergence(raw, logprobs).mean(), rel=1e-4)
     assert Sensitivity.from_dict(json.loads(json.dumps(sensitivity.to_dict()))) == sensitivity
 
 
 def _synthetic(seed: int, n_layers: int = 3, widths=(2, 3, 4, 8)) -> Sensitivity:
-    """Random, deliberately non-convex costs (not monotone either)."""
+    """Random, deliberately non-convex costs (not monotone either); raw free, affine8 random."""
     rng = np.random.default_rng(seed)
     key = tuple({w: float(rng.uniform(0, 1) / w) for w in widths} for _ in range(n_layers))
     value = tuple({w: float(rng.uniform(0, 1) / w) for w in widths} for _ in range(n_layers))
     for k, v in zip(key, value):  # the 8/8 run is one measurement: K and V tables share it
         v[8] = k[8]
-    return Sensitivity(tuple(range(n_layers)), widths, key, value, 16)
+    whole = tuple({"raw": 0.0, "affine8": float(rng.uniform(0, 0.2))} for _ in range(n_layers))
+    return Sensitivity(tuple(range(n_layers)), widths, key, value, 16, whole)
+
+
+def _layer_cost(sensitivity: Sensitivity, index: int, scheme: str) -> float:
+    match = re.fullmatch(r"aura(\d)v(\d)", scheme)
+    return sensitivity.layer_kl(index, int(match[1]), int(match[2])) if match else sensitivity.whole_kl[index][scheme]
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_allocation_is_the_brute_force_optimum(seed):
     sensitivity = _synthetic(seed)
-    widths, n = sensitivity.widths, 3
-    for target in (2.25, 3.0, 3.6, 4.25, 5.25, 8.25, 9.0):
-        allocation = allocate(sensitivity, target_bits=target, overhead_bits=0.25)
+    widths, n, whole_bits = sensitivity.widths, 3, {"raw": 32.0, "affine8": 8.5}
+    options = [(f"aura{k}v{v}", (k + v) / 2 + 0.25) for k in widths for v in widths] + list(whole_bits.items())
+    for target in (2.25, 3.0, 3.6, 4.25, 5.25, 8.25, 9.0, 12.0, 17.0):
+        allocation = allocate(sensitivity, target_bits=target, overhead_bits=0.25, whole_bits=whole_bits)
         best = min(
-            (predicted_kl(sensitivity, combo[:n], combo[n:]), sum(combo))
-            for combo in itertools.product(widths, repeat=2 * n) if sum(combo) / (2 * n) + 0.25 <= target + 1e-9
+            sum(_layer_cost(sensitivity, i, name) for i, (name, _) in enumerate(combo))
+            for combo in itertools.product(options, repeat=n) if sum(b for _, b in combo) / n <= target + 1e-9
         )
-        assert allocation.predicted_kl == pytest.approx(best[0], abs=1e-12)
-        assert allocation.bits_per_element == sum(allocation.key_bits + allocation.value_bits) / 6 + 0.25 <= target
+        assert allocation.predicted_kl == pytest.approx(best, abs=1e-12)
+        bits = dict(options)
+        assert allocation.bits_per_element == pytest.approx(sum(bits[s] for s in allocation.schemes) / n)
+        assert allocation.bits_per_element <= target + 1e-12
+        aura_only = allocate(sensitivity, target_bits=target, overhead_bits=0.25)
+        assert all(s.startswith("aura") for s in aura_only.schemes)
+        assert aura_only.predicted_kl == pytest.approx(predicted_kl(sensitivity, *_widths(aura_only.schemes)))
+    assert "raw" in allocate(sensitivity, target_bits=32.0, overhead_bits=0.25, whole_bits=whole_bits).schemes
     with pytest.raises(ValueError, match="below the narrowest"):
         allocate(sensitivity, target_bits=2.2, overhead_bits=0.25)
 
 
+def _widths(schemes: tuple[str, ...]) -> tuple[list[int], list[int]]:
+    pairs = [re.fullmatch(r"aura(\d)v(\d)", s) for s in schemes]
+    return [int(m[1]) for m in pairs], [int(m[2]) for m in pairs]
+
+
 def test_spec_is_applied_by_the_cache_factory_at_the_predicted_bits():
     model = make_tiny_llama(n_layers=3)
-    spec = scheme_spec((0, 1, 2), (4, 8, 4), (4, 8, 2))
+    spec = scheme_spec((0, 1, 2), ("aura4v4", "aura8v8", "aura4v2"))
     assert spec == "aura4v4+1=aura8v8+2=aura4v2"
     caches = _caches(model, spec)
     mx.eval(model(mx.array([[1, 2, 3]]), cache=caches))
@@ -133,19 +156,21 @@ def test_spec_is_applied_by_the_cache_factory_at_the_predicted_bits():
 def test_calibrate_end_to_end_on_the_tiny_model():
     model = make_tiny_llama(n_layers=3)
     config = CalibrationConfig(budgets=(3.25, 4.25), reference_schemes=("affine4", "aura4v4"),
-                               calibration_tokens=16, heldout_tokens=16, chunk=8, widths=(2, 4, 8))
+                               calibration_tokens=16, heldout_tokens=16, chunk=8, widths=(2, 3, 4, 8))
     text = LEE_CORPUS.read_text(encoding="utf-8")[:4000]
     calibration = calibrate(model, ByteTokenizer(), text, config)
     assert [r.scheme for r in calibration.references] == ["raw", "affine4", "aura4v4"]
     assert calibration.references[0].quality.mean_kl == 0.0
-    assert [p.allocation.target_bits for p in calibration.points] == [3.25, 4.25, 5.0]  # + affine4's bits
-    for point in calibration.points:
+    points = calibration.points
+    assert [p.allocation.target_bits for p in points] == [3.25, 4.25, 5.0]  # + affine4's bits
+    assert [set(row) for row in calibration.sensitivity.whole_kl] == [{"raw", "affine8"}] * 3
+    for point in points:
         allocation = point.allocation
         assert point.heldout.scheme == allocation.spec
         assert point.heldout.bits_per_element == pytest.approx(allocation.bits_per_element, abs=1e-12)
         assert allocation.bits_per_element <= allocation.target_bits
         assert allocation.predicted_kl == pytest.approx(
-            predicted_kl(calibration.sensitivity, allocation.key_bits, allocation.value_bits))
+            sum(_layer_cost(calibration.sensitivity, i, s) for i, s in enumerate(allocation.schemes)))
         assert point.calibration_kl > 0 and point.heldout.quality.mean_kl > 0
     assert [c.affine for c in affine_comparisons(calibration)] == ["affine4"]
     json.dumps(results_dict(calibration, config, model="tiny", dtype="float32", text="lee"))
@@ -179,7 +204,11 @@ def test_command_writes_spec_files_and_reuses_its_sensitivities(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "a" / "calibrate_kv.json").read_text())
     assert [p["allocation"]["target_bits"] for p in report["calibrated"]] == [8.25, 8.5]
-    assert [p["heldout"]["bits_per_element"] for p in report["calibrated"]] == [8.25, 8.25]
+    heldout_bits = [p["heldout"]["bits_per_element"] for p in report["calibrated"]]
+    assert heldout_bits[0] == 8.25  # widths 8 only: nothing pays for an affine8 layer
+    assert heldout_bits[1] == pytest.approx(report["calibrated"][1]["allocation"]["bits_per_element"])
+    assert heldout_bits[1] <= 8.5
+    assert [row["raw"] for row in report["sensitivity"]["whole_kl"]] == [0.0] * 30
     assert len(report["sensitivity"]["layers"]) == 30 and report["affine_comparisons"][0]["affine"] == "affine8"
     assert (tmp_path / "a" / "calibrated_8.25.kvcache").read_text() == "aura8v8\n"
     assert (tmp_path / "a" / "calibrate_kv.png").read_bytes()[:4] == b"\x89PNG"

@@ -70,7 +70,10 @@ def run(args: argparse.Namespace) -> int:
                                calibration_tokens=args.calibration_tokens, heldout_tokens=args.heldout_tokens,
                                chunk=args.chunk, widths=widths)
     check_config(loaded.model, config)
-    runs = 0 if sensitivity else len(attention_layers(loaded.model)) * len(layer_runs(widths))
+    layers = len(attention_layers(loaded.model))
+    runs = 0 if sensitivity else layers * len(layer_runs(widths))
+    if sensitivity is None or not sensitivity.whole_kl:
+        runs += layers * sum(s != "raw" for s in config.whole_schemes)
     affine = sum(s.startswith("affine") for s in config.reference_schemes)  # each adds its bits as a budget
     runs += len(config.reference_schemes) + len(config.budgets) + affine
     progress = _Progress(runs)

@@ -2,7 +2,8 @@
 
 1. Split the text at its middle line (`corpus.split_halves`): the first half calibrates, the
    second is held out.
-2. Measure each layer's sensitivity on the first `calibration_tokens` of the first half.
+2. Measure each layer's sensitivity on the first `calibration_tokens` of the first half: per
+   AURA width, and per whole-layer scheme above 8 bits (`affine8`; `raw` costs nothing).
 3. Per budget, allocate widths (`allocate.allocate`) and measure the resulting spec: mean KL on
    the calibration tokens (the additive model's own error) and on the first `heldout_tokens`
    of the second half, next to the uniform reference schemes on the same held-out tokens.
@@ -26,7 +27,8 @@ from .allocate import Allocation, allocate
 from .corpus import split_halves, text_token_ids
 from .kv_eval import score_chunks
 from .metrics import KLReference, Quality, logprob_chunks
-from .sensitivity import WIDTHS, Sensitivity, attention_layers, measure_sensitivity
+from .sensitivity import (WHOLE_SCHEMES, WIDTHS, OneLayerRuns, Sensitivity, attention_layers, measure_sensitivity,
+                          measure_whole)
 
 DEFAULT_BUDGETS = (3.25, 4.25, 6.25, 8.25)  # bits/element of aura4v2, aura4v4, aura8v4, aura8v8
 
@@ -41,6 +43,7 @@ class CalibrationConfig:
     heldout_tokens: int = 2048  # from the second half (tokens)
     chunk: int = 256  # tokens per forward
     widths: tuple[int, ...] = WIDTHS  # candidate AURA widths (bits)
+    whole_schemes: tuple[str, ...] = WHOLE_SCHEMES  # whole-layer candidates above AURA's 8 bits
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,14 +106,19 @@ def calibrate(
     split = _split(tokenizer, text, config)
     if sensitivity is None:
         sensitivity = measure_sensitivity(model, split.calibration, chunk=config.chunk, widths=config.widths,
-                                          on_run=on_run)
+                                          whole=config.whole_schemes, on_run=on_run)
     elif sensitivity.layers != attention_layers(model):
         raise ValueError(f"the sensitivity table covers layers {list(sensitivity.layers)}, not this model's")
+    elif any(s not in row for s in config.whole_schemes for row in sensitivity.whole_kl or [{}]):
+        runs = OneLayerRuns(model, split.calibration, chunk=config.chunk)
+        sensitivity = measure_whole(model, sensitivity, config.whole_schemes, runs=runs, on_run=on_run)
+    whole_bits = {s: scheme_bits(model, s) for s in config.whole_schemes}
     heldout = _HeldOut(model, split.heldout, config.chunk, on_run)
     references = [heldout.raw] + [heldout.measure(s) for s in config.reference_schemes if s != "raw"]
     budgets = sorted(set(config.budgets) | {round(r.bits_per_element, 6) for r in references
                                             if r.scheme.startswith("affine")})
-    allocations = [allocate(sensitivity, target_bits=b, overhead_bits=overhead) for b in budgets]
+    allocations = [allocate(sensitivity, target_bits=b, overhead_bits=overhead, whole_bits=whole_bits)
+                   for b in budgets]
     calibration_reference = [KLReference.from_logprobs(lp) for lp in logprob_chunks(
         model, _caches(model, "raw", len(split.calibration)), split.calibration, chunk=config.chunk)]
     points = [CalibratedPoint(a, _mean_kl(model, a.spec, split.calibration, calibration_reference, config.chunk),
@@ -140,9 +148,18 @@ class _HeldOut:
 
 def aura_overhead_bits(model: nn.Module) -> float:
     """Metadata bits per K/V element of an AURA layer, read off a one-token aura8v8 cache."""
-    caches = _caches(model, "aura8v8", 1)
+    return scheme_bits(model, "aura8v8") - 8
+
+
+def scheme_bits(model: nn.Module, scheme: str) -> float:
+    """Stored bits per K/V element of `scheme` on every layer, read off a one-token cache.
+
+    Raises:
+        ValueError: an unknown scheme.
+    """
+    caches = _caches(model, scheme, 1)
     mx.eval(model(mx.array([[0]], dtype=mx.uint32), cache=caches))
-    return bits_per_element(caches) - 8
+    return bits_per_element(caches)
 
 
 def check_config(model: nn.Module, config: CalibrationConfig) -> float:
@@ -166,7 +183,7 @@ def check_config(model: nn.Module, config: CalibrationConfig) -> float:
     if not config.budgets or min(config.budgets) < floor_bits:
         raise ValueError(f"budgets must be at least {floor_bits:g} bits/element (every layer at "
                          f"aura{min(config.widths)}v{min(config.widths)}), got {list(config.budgets)}")
-    for scheme in config.reference_schemes:
+    for scheme in (*config.reference_schemes, *config.whole_schemes):
         _caches(model, scheme, 1)  # raises ValueError for an unknown scheme
     return overhead_bits
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 from .calibrate import Calibration, CalibrationConfig, Measured
@@ -89,21 +90,28 @@ def _widths(calibration: Calibration) -> str:
     lines = ["| layer | " + " | ".join(f"K/V at {p.allocation.target_bits:g}" for p in points) + " |",
              "|---:|" + "---|" * len(points)]
     for i, layer in enumerate(calibration.sensitivity.layers):
-        cells = [f"{p.allocation.key_bits[i]}/{p.allocation.value_bits[i]}" for p in points]
+        cells = [_widths_cell(p.allocation.schemes[i]) for p in points]
         lines.append(f"| {layer} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
+def _widths_cell(scheme: str) -> str:
+    match = re.fullmatch(r"aura(\d)v(\d)", scheme)
+    return f"{match[1]}/{match[2]}" if match else scheme
+
+
 def _sensitivity(sensitivity: Sensitivity) -> str:
-    """Per layer: KL (x1e3) with only its K at w bits (V at 8), then only its V at w (K at 8)."""
+    """Per layer: KL (x1e3) with only its K at w bits (V at 8), only its V at w (K at 8), whole-layer schemes."""
     widths = sorted(set(sensitivity.widths) | {PARTNER_BITS})
+    whole = [s for s in (sensitivity.whole_kl[0] if sensitivity.whole_kl else {}) if s != "raw"]
     lines = ["Mean KL x 1000 with one layer compressed (K at w: V at 8 bits; V at w: K at 8; "
              f"{sensitivity.num_tokens} calibration tokens):", "",
              "| layer | " + " | ".join(f"K{w}" for w in widths) + " | " +
-             " | ".join(f"V{w}" for w in widths if w != PARTNER_BITS) + " |",
-             "|---:|" + "---:|" * (2 * len(widths) - 1)]
+             " | ".join([f"V{w}" for w in widths if w != PARTNER_BITS] + whole) + " |",
+             "|---:|" + "---:|" * (2 * len(widths) - 1 + len(whole))]
     for i, layer in enumerate(sensitivity.layers):
         cells = [f"{1e3 * sensitivity.key_kl[i][w]:.3f}" for w in widths]
         cells += [f"{1e3 * sensitivity.value_kl[i][w]:.3f}" for w in widths if w != PARTNER_BITS]
+        cells += [f"{1e3 * sensitivity.whole_kl[i][s]:.3f}" for s in whole]
         lines.append(f"| {layer} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
