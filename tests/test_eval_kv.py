@@ -133,7 +133,8 @@ def test_recall_prompt_layout(default_model):
         head = tokenizer.decode(prompt.token_ids[: prompt.fact_tokens])
         assert head == f"{INSTRUCTION}The pass key is {key}. Remember it. {key} is the pass key.\n"
         assert prompt.token_ids[prompt.fact_tokens : prompt.fact_tokens + 40] == filler
-        assert tokenizer.decode(prompt.token_ids[prompt.fact_tokens + 40 :]) == "\nWhat is the pass key? The pass key is"
+        tail = tokenizer.decode(prompt.token_ids[prompt.fact_tokens + 40 :])
+        assert tail == "\nWhat is the pass key? The pass key is"
     with pytest.raises(ValueError, match="recall facts must be 1..5"):
         recall_prompts(tokenizer, 6, 40)
 
