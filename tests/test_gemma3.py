@@ -225,7 +225,7 @@ def test_eval_kv_compressed_schemes(gemma):
     from services.eval.kv_eval import EvalConfig, evaluate
 
     config = EvalConfig(schemes=("aura8v8", "aura4v4", "affine4"), num_tokens=96, chunk=48, num_prompts=1, max_new=4,
-                        recall_facts=0)  # recall (1,500-token prompts per fact) is tested in test_eval_kv.py
+                        recall_keys=0)  # recall (1,500-token prompts per key) is tested in test_eval_kv.py
     rows = {r.scheme: r for r in evaluate(gemma.model, gemma.tokenizer, config)}
     assert list(rows) == ["raw", "aura8v8", "aura4v4", "affine4"]
     # Per element: codes plus one fp16 scale per 256-dim vector (AURA), or fp16 scale and bias per 32 (affine).
