@@ -177,7 +177,7 @@ def decode_attention(
     kt, vt = (tails[0], tails[1]) if fmt.is_raw else (tails[0], tails[0])
     if not fmt.is_regular:
         raise ValueError(f"the CUDA kernels take regular formats only (kernels.paged_attention.uses_cuda), got {fmt}")
-    tuning = tuning or default_tuning(fmt, group)
+    tuning = tuning or default_tuning(fmt)
     lanes = head_dim // _dims_per_lane(fmt, tuning.dims_per_lane)
     per_split, splits = _split_plan(page_table.shape[1] * page_size, batch, n_kv_heads, page_size, tuning.waves)
     warps = max(1, min(tuning.warps, _SHARED_ACC_BYTES // (group * (32 // lanes) * head_dim * 4)))
@@ -217,7 +217,7 @@ def _dims_per_lane(fmt: LayerFormat, wanted: int) -> int:
     return max(fmt.head_dim // 32, min(wanted, fmt.head_dim, *groups))
 
 
-def default_tuning(fmt: LayerFormat, group: int) -> Tuning:
+def default_tuning(fmt: LayerFormat) -> Tuning:
     """The launch shape measured best on the H200 (`ops/kernel_sweep.py`, `ops/results/kernel_sweep_gpu.json`).
 
     Across raw, affine4 and aura4v4 at 1 x 32K and 32 x 8K: head_dim 64 (GQA 4) wants two tokens

@@ -105,7 +105,7 @@ def main() -> None:
             except Exception as exc:  # a shape the kernel cannot compile (registers, shared memory)
                 timings[tuning] = float("nan")
                 print("skip", model, scheme, case, tuning, repr(exc)[:200], flush=True)
-        default = timings.get(Tuning(), float("nan"))
+        default = timings.get(cuda_kv.default_tuning(fmt), float("nan"))  # nan: not in the swept grid
         best = min((t for t in timings if timings[t] == timings[t]), key=timings.get)
         read = shape[0] * streams * context * shape[2] * fmt.bytes_per_row
         row = {"model": model, "scheme": scheme, "streams": streams, "context": context,
