@@ -20,69 +20,89 @@ Source: the measured prototype `shared/reference/fused-paged-decode/fused.py`; D
 """
 
 HEADER = r"""
-template <int BITS>
-__device__ __forceinline__ uint32_t bm_extract(const uint32_t* w, int bit) {
-  const int wi = bit >> 5, off = bit & 31;
-  uint32_t x = w[wi] >> off;
-  if (off + BITS > 32) x |= w[wi + 1] << (32 - off);
-  return x & ((1u << BITS) - 1u);
+// Words one lane holds for dims [d0, d0 + DPL) of one part of one row (d0 a multiple of DPL):
+// raw, the elements themselves; codes, every word the lane's bits touch at any lane's offset.
+template <int MODE, int BITS, int D, int DPL, typename RT>
+__host__ __device__ constexpr int slice_words() {
+  if (MODE == 0) return DPL * (int)sizeof(RT) / 4;
+  int most = 1;
+  for (int d0 = 0; d0 < D; d0 += DPL) {
+    const int n = ((d0 * BITS) % 32 + DPL * BITS + 31) / 32;
+    most = n > most ? n : most;
+  }
+  return most;
 }
 
-// Codes of dims [d0, d0 + DPL) of one little-endian bit stream (mx.quantize layout).
-template <int BITS, int DPL>
-__device__ __forceinline__ void unpack_slice(const uint32_t* codes, int d0, uint32_t (&idx)[DPL]) {
-  constexpr uint32_t MASK = (1u << BITS) - 1u;
-  if constexpr ((32 % BITS) == 0 && ((DPL * BITS) % 32) == 0) {
-    constexpr int NW = DPL * BITS / 32, PER = 32 / BITS;
+// One part (K or V) of one token as a lane holds it between its load and its math: the raw
+// words and the meta halves (affine: the lane's group scale and bias; AURA: the vector scale).
+template <int MODE, int BITS, int D, int DPL, typename RT>
+struct Slice {
+  static constexpr int NW = slice_words<MODE, BITS, D, DPL, RT>();
+  uint32_t w[NW];
+  __half s, b;
+};
+
+// Issue the loads of one part of pool row `row` (raw: `RT[D]` at `raw`; codes: words at `codes`,
+// meta halves at `meta`) into `x`. Loads only: nothing waits on them until `decode_slice`.
+template <int MODE, int BITS, int GS, int D, int DPL, typename RT>
+__device__ __forceinline__ void fetch_slice(
+    const RT* raw, const uint32_t* codes, const __half* meta, int d0, Slice<MODE, BITS, D, DPL, RT>& x) {
+  constexpr int NW = Slice<MODE, BITS, D, DPL, RT>::NW;
+  if constexpr (MODE == 0) {
+    static_assert(NW % 4 == 0, "raw slices are whole 16-byte loads");
+#pragma unroll
+    for (int v = 0; v < NW / 4; ++v) {
+      const uint4 u = reinterpret_cast<const uint4*>(raw + d0)[v];
+      x.w[4 * v] = u.x; x.w[4 * v + 1] = u.y; x.w[4 * v + 2] = u.z; x.w[4 * v + 3] = u.w;
+    }
+  } else {
     const uint32_t* w = codes + (d0 * BITS) / 32;
 #pragma unroll
-    for (int j = 0; j < NW; ++j) {
-      const uint32_t x = w[j];
-#pragma unroll
-      for (int k = 0; k < PER; ++k) idx[j * PER + k] = (x >> (k * BITS)) & MASK;
+    for (int j = 0; j < NW; ++j) x.w[j] = w[j];
+    if constexpr (MODE == 1) {
+      x.s = meta[d0 / GS];
+      x.b = meta[D / GS + d0 / GS];
+    } else {
+      x.s = meta[0];
     }
-  } else if constexpr ((32 % BITS) == 0) {
-    const int bit = d0 * BITS;
-    const uint32_t x = codes[bit >> 5] >> (bit & 31);
-#pragma unroll
-    for (int k = 0; k < DPL; ++k) idx[k] = (x >> (k * BITS)) & MASK;
-  } else {
-#pragma unroll
-    for (int k = 0; k < DPL; ++k) idx[k] = bm_extract<BITS>(codes, (d0 + k) * BITS);
   }
 }
 
-// Dims [d0, d0 + DPL) of one part of one row, as floats; returns the per-vector factor.
-// MODE 0: raw RT [D] at `raw`; 1: affine codes at `codes`, scales/biases at meta[0..2*D/GS);
-// 2: AURA codes at `codes`, unit centroids from `cb`, scale at meta[0].
+// Dims [d0, d0 + DPL) of a fetched part as floats; returns the per-vector factor.
+// MODE 0: raw; 1: affine `scale * q + bias`; 2: AURA unit centroids from `cb` (factor: the scale).
 template <int MODE, int BITS, int GS, int D, int DPL, typename RT>
-__device__ __forceinline__ float load_slice(
-    const RT* raw, const uint32_t* codes, const __half* meta, const float* cb, int d0, float (&x)[DPL]) {
+__device__ __forceinline__ float decode_slice(const Slice<MODE, BITS, D, DPL, RT>& x, int d0, const float* cb,
+                                              float (&out)[DPL]) {
+  constexpr int NW = Slice<MODE, BITS, D, DPL, RT>::NW;
   if constexpr (MODE == 0) {
-    static_assert((DPL * sizeof(RT)) % 16 == 0, "raw slices are whole 16-byte loads");
-    constexpr int NV = DPL * sizeof(RT) / 16;
-    alignas(16) RT tmp[DPL];
+    RT tmp[DPL];
+    memcpy(tmp, x.w, sizeof(tmp));
 #pragma unroll
-    for (int v = 0; v < NV; ++v)
-      reinterpret_cast<uint4*>(tmp)[v] = reinterpret_cast<const uint4*>(raw + d0)[v];
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) x[i] = static_cast<float>(tmp[i]);
-    return 1.0f;
-  } else if constexpr (MODE == 1) {
-    uint32_t idx[DPL];
-    unpack_slice<BITS, DPL>(codes, d0, idx);
-    const float s = __half2float(meta[d0 / GS]);
-    const float b = __half2float(meta[D / GS + d0 / GS]);
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) x[i] = fmaf(s, static_cast<float>(idx[i]), b);
+    for (int i = 0; i < DPL; ++i) out[i] = static_cast<float>(tmp[i]);
     return 1.0f;
   } else {
-    uint32_t idx[DPL];
-    unpack_slice<BITS, DPL>(codes, d0, idx);
+    constexpr uint32_t MASK = (1u << BITS) - 1u;
+    const int off = (d0 * BITS) % 32;  // the lane's first bit inside w[0]
+    uint32_t a[NW];                     // the lane's bits from bit 0 on (indices below are compile-time)
 #pragma unroll
-    for (int i = 0; i < DPL; ++i) x[i] = cb[idx[i]];
-    return __half2float(meta[0]);
+    for (int j = 0; j < NW; ++j) a[j] = j + 1 < NW ? __funnelshift_r(x.w[j], x.w[j + 1 < NW ? j + 1 : j], off)
+                                                   : x.w[j] >> off;
+#pragma unroll
+    for (int k = 0; k < DPL; ++k) {
+      const int bit = k * BITS, wi = bit / 32, o = bit % 32;
+      uint32_t q = a[wi] >> o;
+      if (o + BITS > 32) q |= a[wi + 1 < NW ? wi + 1 : wi] << (32 - o);
+      q &= MASK;
+      out[k] = MODE == 1 ? fmaf(__half2float(x.s), static_cast<float>(q), __half2float(x.b)) : cb[q];
+    }
+    return MODE == 1 ? 1.0f : __half2float(x.s);
   }
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: 2 ulp, flushes subnormals to 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // In-place unnormalised Walsh-Hadamard transform (Sylvester order) of `rows` vectors of
@@ -264,31 +284,47 @@ PARTIAL = r"""
   }
   const int* table = pt + (size_t)b * NP;
 
-  for (int base = t_begin; base < t_end; base += E * U) {
-    float kx[U][DPL], vx[U][DPL], ks[U], vs[U];
-    bool valid[U];
+  using KS = Slice<KMODE, KBITS, D, DPL, RT>;
+  using VS = Slice<VMODE, VBITS, D, DPL, RT>;
+  // Tile = U tokens per lane group. PREFETCH: the loads of tile i + 1 are issued before the math
+  // of tile i, two tiles of raw words per lane in flight (a block walking a whole long row is
+  // bound by load latency, not bandwidth); else each tile's loads come right before its math.
+  auto fetch = [&](int base, KS (&ks)[U], VS (&vs)[U]) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {  // issue every K and V load of U tokens before any math
+    for (int u = 0; u < U; ++u) {
       const int t = base + u * E + warp * TPW + sg;
-      valid[u] = t < t_end;
-      if (valid[u]) {
+      if (t < t_end) {
         const int page = table[t / P];
         const bool in_tail = page >= pages;
         const size_t r = ((size_t)h * (in_tail ? tail_pages : pages) + (in_tail ? page - pages : page)) * P + (t % P);
         if constexpr (KMODE == 0) {
-          ks[u] = load_slice<0, 1, 1, D, DPL, RT>((in_tail ? kt : kp) + r * D, nullptr, nullptr, cbs, d0, kx[u]);
-          vs[u] = load_slice<0, 1, 1, D, DPL, RT>((in_tail ? vt : vp) + r * D, nullptr, nullptr, cbs, d0, vx[u]);
+          fetch_slice<KMODE, KBITS, KGS, D, DPL, RT>((in_tail ? kt : kp) + r * D, nullptr, nullptr, d0, ks[u]);
+          fetch_slice<VMODE, VBITS, VGS, D, DPL, RT>((in_tail ? vt : vp) + r * D, nullptr, nullptr, d0, vs[u]);
         } else {
           const uint32_t* row = reinterpret_cast<const uint32_t*>(in_tail ? kt : kp) + r * ROWW;
           const __half* meta = reinterpret_cast<const __half*>(row + MOFF);
-          ks[u] = load_slice<KMODE, KBITS, KGS, D, DPL, RT>(nullptr, row, meta, cbs, d0, kx[u]);
-          vs[u] = load_slice<VMODE, VBITS, VGS, D, DPL, RT>(nullptr, row + KWORDS, meta + KMH, cbs + 256, d0, vx[u]);
+          fetch_slice<KMODE, KBITS, KGS, D, DPL, RT>(nullptr, row, meta, d0, ks[u]);
+          fetch_slice<VMODE, VBITS, VGS, D, DPL, RT>(nullptr, row + KWORDS, meta + KMH, d0, vs[u]);
         }
-      } else {
-        ks[u] = 0.f; vs[u] = 0.f;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) { kx[u][i] = 0.f; vx[u][i] = 0.f; }
       }
+    }
+  };
+  KS kcur[U], knext[U];
+  VS vcur[U], vnext[U];
+  if constexpr (PREFETCH) fetch(t_begin, kcur, vcur);
+  for (int base = t_begin; base < t_end; base += E * U) {
+    if constexpr (PREFETCH) {
+      if (base + E * U < t_end) fetch(base + E * U, knext, vnext);
+    } else {
+      fetch(base, kcur, vcur);
+    }
+    float kx[U][DPL], vx[U][DPL], kf[U], vf[U];
+    bool valid[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      valid[u] = base + u * E + warp * TPW + sg < t_end;
+      kf[u] = decode_slice<KMODE, KBITS, KGS, D, DPL, RT>(kcur[u], d0, cbs, kx[u]);
+      vf[u] = decode_slice<VMODE, VBITS, VGS, D, DPL, RT>(vcur[u], d0, cbs + 256, vx[u]);
     }
     float s[U][G];  // scores of the U tokens, then one max and one rescale for all of them
 #pragma unroll
@@ -300,7 +336,7 @@ PARTIAL = r"""
         for (int i = 0; i < DPL; ++i) x = fmaf(QREG ? qv[g][QREG ? i : 0] : qs[g * D + d0 + i], kx[u][i], x);
 #pragma unroll
         for (int off = LPT / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-        s[u][g] = x * ks[u];
+        s[u][g] = x * kf[u];
       }
     }
 #pragma unroll
@@ -308,19 +344,26 @@ PARTIAL = r"""
       float mn = m[g];
 #pragma unroll
       for (int u = 0; u < U; ++u) mn = valid[u] ? fmaxf(mn, s[u][g]) : mn;
-      const float a = exp2f(m[g] - mn);
-      l[g] *= a;
+      if (mn > m[g]) {  // the running max moved: rescale (rare once a row's largest scores are seen)
+        const float a = fast_exp2(m[g] - mn);
+        l[g] *= a;
 #pragma unroll
-      for (int i = 0; i < DPL; ++i) acc[g][i] *= a;
+        for (int i = 0; i < DPL; ++i) acc[g][i] *= a;
+        m[g] = mn;
+      }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const float p = valid[u] ? exp2f(s[u][g] - mn) : 0.f;
+        if (!valid[u]) continue;  // past the split: its registers hold no row of this sequence
+        const float p = fast_exp2(s[u][g] - mn);
         l[g] += p;
-        const float pv = p * vs[u];
+        const float pv = p * vf[u];
 #pragma unroll
         for (int i = 0; i < DPL; ++i) acc[g][i] = fmaf(pv, vx[u][i], acc[g][i]);
       }
-      m[g] = mn;
+    }
+    if constexpr (PREFETCH) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) { kcur[u] = knext[u]; vcur[u] = vnext[u]; }
     }
   }
 

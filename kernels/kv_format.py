@@ -244,6 +244,22 @@ class LayerFormat:
         values = _decode_part(self.value, rows[..., self.key_words : self.meta_offset], v_meta, self.value_dim)
         return keys, values
 
+    def decode_factored(self, pools: tuple[mx.array, ...]) -> tuple[tuple[mx.array, mx.array | None], ...]:
+        """`decode`, with each AURA part's per-vector scale left out: ((K, k_scale), (V, v_scale)).
+
+        AURA parts come back as unit centroids float32 `[..., D]` with their scale float32
+        `[..., 1]` (so `decode` is `K * k_scale`), which attention can apply to a score or a
+        probability instead of to every element; other parts as `decode`, scale None.
+        """
+        if self.is_raw:
+            return (pools[0], None), (pools[1], None)
+        (rows,) = pools
+        meta = mx.view(mx.contiguous(rows[..., self.meta_offset:]), META_DTYPE)
+        k_meta = meta[..., : self.key_meta_halves]
+        v_meta = meta[..., self.key_meta_halves : self.key_meta_halves + self.value_meta_halves]
+        return (_decode_factored(self.key, rows[..., : self.key_words], k_meta, self.key_dim),
+                _decode_factored(self.value, rows[..., self.key_words : self.meta_offset], v_meta, self.value_dim))
+
     def decode_plain(self, pools: tuple[mx.array, ...]) -> tuple[mx.array, mx.array]:
         """Decode pool rows into K and V in the model's own domain (AURA parts un-rotated).
 
@@ -290,6 +306,12 @@ def _decode_part(part: PartFormat, codes: mx.array, meta: mx.array, dim: int) ->
         return affine_dequantize(AffineCodes(mx.contiguous(codes), scales, biases), bits=part.bits,
                                  group_size=part.group_size, dtype=mx.float32, head_dim=dim)
     return aura_lookup(codes, part.bits, dim) * meta.astype(mx.float32)
+
+
+def _decode_factored(part: PartFormat, codes: mx.array, meta: mx.array, dim: int) -> tuple[mx.array, mx.array | None]:
+    if part.kind == AFFINE:
+        return _decode_part(part, codes, meta, dim), None
+    return aura_lookup(codes, part.bits, dim), meta.astype(mx.float32)
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,6 +26,10 @@ Dao et al., Flash-Decoding (2023); CACHES.md "AURA encode / decode" (rotated dom
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import itertools
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -33,6 +37,8 @@ from kernels import cuda_kv
 from kernels.kv_format import AFFINE, LayerFormat
 
 CHUNK_TOKENS = 4096  # history slots decoded at once by the MLX-ops path
+PARALLEL_MIN_TOKENS = 512  # CPU: history slots per chunk below which chunks are not split further for threads
+_MAX_CPU_STREAMS = 8
 _PACKED_MAX_ROWS = 16  # query rows (G * L) up to which affine chunks use quantized_matmul on the CPU
 _NEG = -1e30  # floor of running maxima (a fully masked chunk must not give exp(-inf + inf))
 
@@ -149,16 +155,22 @@ class History:
         """History slots read per row (pages read times `page_size`, or the gathered rows)."""
         return self.rows[0].shape[2] if self.rows is not None else self.page_table.shape[1] * page_size
 
-    def chunks(self, ref: PoolRef):
-        """Yield (first slot, rows per pool [B, H, C, width]) over the history, C <= CHUNK_TOKENS."""
-        if self.rows is not None:
-            total = self.rows[0].shape[2]
-            for first in range(0, total, CHUNK_TOKENS):
-                yield first, tuple(r[:, :, first : first + CHUNK_TOKENS] for r in self.rows)
-            return
-        per_chunk = max(1, CHUNK_TOKENS // ref.page_size)
-        for first in range(0, self.page_table.shape[1], per_chunk):
-            yield first * ref.page_size, ref.gather(self.page_table[:, first : first + per_chunk])
+    def chunks(self, ref: PoolRef, ways: int = 1):
+        """Yield (first slot, rows per pool [B, H, C, width]) over the history, C <= CHUNK_TOKENS.
+
+        `ways` > 1 asks for at least that many chunks (whole pages, each >= PARALLEL_MIN_TOKENS
+        slots) so they can run on that many threads. Each chunk's reads are built when it is
+        yielded, so they land on the stream current at that moment.
+        """
+        unit = 1 if self.rows is not None else ref.page_size  # slots per chunk step
+        total = self.rows[0].shape[2] if self.rows is not None else self.page_table.shape[1]
+        count = max(-(-total * unit // CHUNK_TOKENS), min(ways, total * unit // PARALLEL_MIN_TOKENS), 1)
+        step = -(-total // count)
+        for first in range(0, total, step):
+            if self.rows is not None:
+                yield first, tuple(r[:, :, first : first + step] for r in self.rows)
+            else:
+                yield first * unit, ref.gather(self.page_table[:, first : first + step])
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,11 +245,15 @@ def _attend_chunks(queries, ref, history, extra, rule, *, scale, sinks):
     def grouped(mask):  # [B, 1, L, C] -> [B, 1, G * L, C]
         return mx.broadcast_to(mask[:, :, None], (batch, 1, group, *mask.shape[2:])).reshape(batch, 1, -1, mask.shape[-1])
 
-    chunks = list(history.chunks(ref)) if history is not None else []
-    if len(chunks) <= 1 and not _packed(fmt, group * length):
+    streams = _cpu_streams() if not fmt.is_raw else (None,)  # raw chunks are copies and BLAS: threads measured slower
+    slots = 0 if history is None else history.num_slots(ref.page_size)
+    one_pass = slots <= CHUNK_TOKENS and (len(streams) == 1 or slots < 2 * PARALLEL_MIN_TOKENS)
+    if one_pass and not _packed(fmt, group * length):
+        chunks = list(history.chunks(ref)) if history is not None else []
         return _single_pass(queries, fmt, history, chunks, extra, rule, scale=scale, sinks=sinks)
     state = None
-    for first, rows in chunks:
+    chunks = history.chunks(ref, ways=len(streams)) if history is not None else ()
+    for first, rows in _spread(chunks, streams):
         valid, visible = history_masks(history, first, rows[0].shape[2], rule)
         if visible.shape[2] != 1:
             visible = grouped(visible)
@@ -253,6 +269,41 @@ def _attend_chunks(queries, ref, history, extra, rule, *, scale, sinks):
         l, o = l * mx.exp(m - top) + mx.exp(sink - top), o * mx.exp(m - top)
     out = (o / l).reshape(batch, n_heads, length, fmt.value_dim)
     return fmt.unrotate_output(out).astype(queries.dtype)
+
+
+@functools.cache
+def _thread_streams(count: int) -> tuple:
+    return tuple(mx.new_stream(mx.cpu) for _ in range(count))
+
+
+def _cpu_streams() -> tuple:
+    """CPU streams compressed history chunks are spread over, one per core (at most 8).
+
+    MLX's CPU gathers (the codebook and unpack lookups that decode a chunk) run on one thread
+    per stream, so chunks on separate streams decode in parallel: aura4v4 decode on the 2-core
+    CI machine at 8K, 1.5 -> 2.0 tok/s (`ops/results/bench_kv_cpu.json`). Elsewhere (Metal)
+    `(None,)`: the default stream.
+    """
+    if mx.default_device() != mx.cpu:
+        return (None,)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return _thread_streams(max(1, min(cores, _MAX_CPU_STREAMS)))
+
+
+def _spread(chunks, streams: tuple):
+    """Yield `chunks`' items, chunk i built and consumed while stream `i % n` is the default.
+
+    The generator is suspended inside the `with`, so the caller's loop body (the chunk's
+    decode, scores and partial softmax) lands on the same stream as the chunk's reads.
+    """
+    items = iter(chunks)
+    for i in itertools.count():
+        stream = streams[i % len(streams)]
+        with contextlib.nullcontext() if stream is None else mx.stream(stream):
+            item = next(items, None)
+            if item is None:
+                return
+            yield item
 
 
 def history_masks(history: History, first: int, size: int, rule) -> tuple[mx.array, mx.array]:
@@ -298,19 +349,29 @@ def _chunk_scores(q, fmt: LayerFormat, rows: tuple[mx.array, ...], visible: mx.a
     """(max, sum-exp, acc) of one history chunk; rows [B, H, C, width] per pool; valid [B, 1, 1, C]."""
     if _packed(fmt, q.shape[2]):
         return _affine_chunk(q, fmt, rows[0], visible, valid)
-    keys, values = fmt.decode(rows)
+    (keys, k_scale), (values, v_scale) = fmt.decode_factored(rows)
     scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)
-    return _softmax_part(scores, visible, valid, values.astype(mx.float32))
+    if k_scale is not None:  # AURA: one scale per key, applied to its scores, not its D elements
+        scores = scores * k_scale.swapaxes(-1, -2)
+    return _softmax_part(scores, visible, valid, values.astype(mx.float32), v_scale)
 
 
-def _softmax_part(scores: mx.array, visible: mx.array, valid: mx.array | None, values: mx.array):
-    """Masked partial softmax; values at slots outside `valid` are zeroed, so NaN there cannot leak."""
+def _softmax_part(scores: mx.array, visible: mx.array, valid: mx.array | None, values: mx.array,
+                  v_scale: mx.array | None = None):
+    """Masked partial softmax; values at slots outside `valid` are zeroed, so NaN there cannot leak.
+
+    `v_scale` [B, H, C, 1]: per-value factors (AURA) folded into the probabilities; zeroed outside
+    `valid` too (the unit centroids they scale are always finite).
+    """
     scores = mx.where(visible, scores, -mx.inf)
     m = mx.maximum(scores.max(axis=-1, keepdims=True), _NEG)
     p = mx.exp(scores - m)
-    if valid is not None:
+    weights = p
+    if v_scale is not None:
+        weights = p * (v_scale if valid is None else mx.where(valid.swapaxes(-1, -2), v_scale, 0.0)).swapaxes(-1, -2)
+    elif valid is not None:
         values = mx.where(valid.swapaxes(-1, -2), values, 0.0)  # [B, 1, C, 1]
-    return m, p.sum(axis=-1, keepdims=True), p @ values
+    return m, p.sum(axis=-1, keepdims=True), weights @ values
 
 
 def _affine_chunk(q, fmt: LayerFormat, rows: mx.array, visible: mx.array, valid: mx.array):

@@ -85,13 +85,15 @@ def main() -> None:
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--waves", default="4,16")
     parser.add_argument("--query-in-registers", default="1")
+    parser.add_argument("--prefetch", default="0,1")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default=str(RESULTS / "kernel_sweep_gpu.json"))
     args = parser.parse_args()
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     tunings = [Tuning(*t) for t in itertools.product(ints(args.dims_per_lane), ints(args.unroll), ints(args.warps),
-                                                      ints(args.waves), map(bool, ints(args.query_in_registers)))]
+                                                      ints(args.waves), map(bool, ints(args.query_in_registers)),
+                                                      map(bool, ints(args.prefetch)))]
     results = []
     for model, scheme, case in itertools.product(args.models.split(","), args.schemes.split(","),
                                                  args.cases.split(",")):
@@ -105,7 +107,7 @@ def main() -> None:
             except Exception as exc:  # a shape the kernel cannot compile (registers, shared memory)
                 timings[tuning] = float("nan")
                 print("skip", model, scheme, case, tuning, repr(exc)[:200], flush=True)
-        default = timings.get(cuda_kv.default_tuning(fmt), float("nan"))  # nan: not in the swept grid
+        default = timings.get(cuda_kv.default_tuning(fmt, streams * shape[2]), float("nan"))  # nan: not swept
         best = min((t for t in timings if timings[t] == timings[t]), key=timings.get)
         read = shape[0] * streams * context * shape[2] * fmt.bytes_per_row
         row = {"model": model, "scheme": scheme, "streams": streams, "context": context,
@@ -126,7 +128,7 @@ def _write(path: str, results: list[dict]) -> None:
 
 def vars_of(t: Tuning) -> dict:
     return {"dims_per_lane": t.dims_per_lane, "unroll": t.unroll, "warps": t.warps, "waves": t.waves,
-            "query_in_registers": t.query_in_registers}
+            "query_in_registers": t.query_in_registers, "prefetch": t.prefetch}
 
 
 if __name__ == "__main__":

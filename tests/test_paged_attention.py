@@ -220,7 +220,9 @@ def test_decode_matches_float64_reference(scheme, head_dim, group, lengths, with
 
 
 TUNINGS = [cuda_kv.Tuning(), cuda_kv.Tuning(8, 2, 4, 2, False), cuda_kv.Tuning(16, 1, 4, 2, True),
-           cuda_kv.Tuning(16, 2, 4, 8, False), cuda_kv.Tuning(8, 4, 8, 1, False)]
+           cuda_kv.Tuning(16, 2, 4, 8, False), cuda_kv.Tuning(8, 4, 8, 1, False),
+           cuda_kv.Tuning(8, 1, 4, 2, True, True), cuda_kv.Tuning(16, 1, 4, 2, True, True),
+           cuda_kv.Tuning(8, 2, 4, 8, False, True)]
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="launch shapes exist only for the CUDA kernel, which needs MLX's CUDA backend (the H200 run covers it)")
@@ -358,6 +360,23 @@ def test_chunked_history_equals_one_chunk(monkeypatch, scheme, dims):
     monkeypatch.setattr(pa, "CHUNK_TOKENS", PAGE)
     many = as_np(run_decode(store, q, 0.125, None, "mlx-ops"))
     np.testing.assert_allclose(many, one, atol=1e-5 if DTYPE == mx.float32 else 8e-3)  # bf16 output: 2 ulp
+
+
+@pytest.mark.skipif(ON_CUDA, reason="chunks spread over CPU threads only on the MLX-ops path's CPU device")
+@pytest.mark.parametrize("scheme", ["aura4v2", "affine8"])
+def test_history_split_over_cpu_threads_equals_one_pass(monkeypatch, scheme):
+    """Three CPU streams, chunks of whole pages cut for them: same attention as one pass (NaN outside rows)."""
+    fmt = layer_format(scheme, 64)
+    store = Store(fmt, (70, 3, 129), 2, seed=6)
+    q = mx.array(np.random.default_rng(2).standard_normal((3, 4, 1, 64)).astype(np.float32)).astype(DTYPE)
+    monkeypatch.setattr(pa, "_cpu_streams", lambda: (None,))
+    one = as_np(run_decode(store, q, 0.125, None, "mlx-ops"))
+    monkeypatch.setattr(pa, "_cpu_streams", lambda: pa._thread_streams(3))
+    monkeypatch.setattr(pa, "PARALLEL_MIN_TOKENS", PAGE)
+    chunks = list(pa.History(mx.array(store.lengths), mx.array(store.page_table)).chunks(store.ref(), ways=3))
+    assert len(chunks) == 3 and sum(rows[0].shape[2] for _, rows in chunks) == store.page_table.shape[1] * PAGE
+    split = as_np(run_decode(store, q, 0.125, None, "mlx-ops"))
+    np.testing.assert_allclose(split, one, atol=1e-5 if DTYPE == mx.float32 else 8e-3)
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the CUDA encoder needs MLX's CUDA backend (the H200 run covers it)")
