@@ -7,7 +7,9 @@ Three kernels, all reading and writing the row format of `kernels.kv_format`:
 - `PARTIAL`: split-K decode attention ("flash-decoding"): one block per (split, kv head, row)
   walks its tokens through the row's page table, reads each K/V row once for all G query
   heads of its kv head (GQA), unpacks codes in registers (bit widths 2..8), and writes
-  (acc, max, sum-exp) per split. AURA queries are rotated in shared memory first.
+  (acc, max, sum-exp) per split. AURA queries are rotated in shared memory first. Loads land
+  in registers as raw words and are decoded at use; with `PREFETCH` (launches of many rows,
+  whose blocks walk long rows) the next tile's loads are issued before this tile's math.
 - `COMBINE`: merges the splits (and a learned attention sink), divides, and un-rotates AURA
   values in shared memory.
 

@@ -165,7 +165,7 @@ class History:
         unit = 1 if self.rows is not None else ref.page_size  # slots per chunk step
         total = self.rows[0].shape[2] if self.rows is not None else self.page_table.shape[1]
         count = max(-(-total * unit // CHUNK_TOKENS), min(ways, total * unit // PARALLEL_MIN_TOKENS), 1)
-        step = -(-total // count)
+        step = max(1, -(-total // count))
         for first in range(0, total, step):
             if self.rows is not None:
                 yield first, tuple(r[:, :, first : first + step] for r in self.rows)
