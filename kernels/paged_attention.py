@@ -245,7 +245,10 @@ def _attend_chunks(queries, ref, history, extra, rule, *, scale, sinks):
     def grouped(mask):  # [B, 1, L, C] -> [B, 1, G * L, C]
         return mx.broadcast_to(mask[:, :, None], (batch, 1, group, *mask.shape[2:])).reshape(batch, 1, -1, mask.shape[-1])
 
-    streams = _cpu_streams() if not fmt.is_raw else (None,)  # raw chunks are copies and BLAS: threads measured slower
+    # Decode of compressed rows: chunks on one CPU thread each (their gathers dominate). Raw chunks
+    # are copies and BLAS, prompt chunks big matmuls: one stream (threads measured slower, and
+    # concurrent chunks would raise prefill's peak memory).
+    streams = _cpu_streams() if length == 1 and not fmt.is_raw else (None,)
     slots = 0 if history is None else history.num_slots(ref.page_size)
     one_pass = slots <= CHUNK_TOKENS and (len(streams) == 1 or slots < 2 * PARALLEL_MIN_TOKENS)
     if one_pass and not _packed(fmt, group * length):
