@@ -291,10 +291,11 @@ PARTIAL = r"""
   // Tile = U tokens per lane group. PREFETCH: the loads of tile i + 1 are issued before the math
   // of tile i, two tiles of raw words per lane in flight (a block walking a whole long row is
   // bound by load latency, not bandwidth); else each tile's loads come right before its math.
+  auto token = [&](int base, int u) { return base + u * E + warp * TPW + sg; };  // this lane group's u-th token
   auto fetch = [&](int base, KS (&ks)[U], VS (&vs)[U]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int t = base + u * E + warp * TPW + sg;
+      const int t = token(base, u);
       if (t < t_end) {
         const int page = table[t / P];
         const bool in_tail = page >= pages;
@@ -324,7 +325,7 @@ PARTIAL = r"""
     bool valid[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      valid[u] = base + u * E + warp * TPW + sg < t_end;
+      valid[u] = token(base, u) < t_end;
       kf[u] = decode_slice<KMODE, KBITS, KGS, D, DPL, RT>(kcur[u], d0, cbs, kx[u]);
       vf[u] = decode_slice<VMODE, VBITS, VGS, D, DPL, RT>(vcur[u], d0, cbs + 256, vx[u]);
     }

@@ -234,15 +234,8 @@ class LayerFormat:
         AURA parts come back rotated (`y = Pi x`; see `rotate_query` / `unrotate_output`),
         float32; affine parts as `scale * q + bias` in float32; raw parts as stored.
         """
-        if self.is_raw:
-            return pools[0], pools[1]
-        (rows,) = pools
-        meta = mx.view(mx.contiguous(rows[..., self.meta_offset:]), META_DTYPE)
-        k_meta = meta[..., : self.key_meta_halves]
-        v_meta = meta[..., self.key_meta_halves : self.key_meta_halves + self.value_meta_halves]
-        keys = _decode_part(self.key, rows[..., : self.key_words], k_meta, self.key_dim)
-        values = _decode_part(self.value, rows[..., self.key_words : self.meta_offset], v_meta, self.value_dim)
-        return keys, values
+        (keys, k_scale), (values, v_scale) = self.decode_factored(pools)
+        return (keys if k_scale is None else keys * k_scale), (values if v_scale is None else values * v_scale)
 
     def decode_factored(self, pools: tuple[mx.array, ...]) -> tuple[tuple[mx.array, mx.array | None], ...]:
         """`decode`, with each AURA part's per-vector scale left out: ((K, k_scale), (V, v_scale)).
@@ -257,8 +250,8 @@ class LayerFormat:
         meta = mx.view(mx.contiguous(rows[..., self.meta_offset:]), META_DTYPE)
         k_meta = meta[..., : self.key_meta_halves]
         v_meta = meta[..., self.key_meta_halves : self.key_meta_halves + self.value_meta_halves]
-        return (_decode_factored(self.key, rows[..., : self.key_words], k_meta, self.key_dim),
-                _decode_factored(self.value, rows[..., self.key_words : self.meta_offset], v_meta, self.value_dim))
+        return (_decode_part(self.key, rows[..., : self.key_words], k_meta, self.key_dim),
+                _decode_part(self.value, rows[..., self.key_words : self.meta_offset], v_meta, self.value_dim))
 
     def decode_plain(self, pools: tuple[mx.array, ...]) -> tuple[mx.array, mx.array]:
         """Decode pool rows into K and V in the model's own domain (AURA parts un-rotated).
@@ -298,19 +291,16 @@ def _encode_part(part: PartFormat, x: mx.array) -> tuple[mx.array, mx.array]:
     return codes.packed, codes.scales.astype(META_DTYPE)
 
 
-def _decode_part(part: PartFormat, codes: mx.array, meta: mx.array, dim: int) -> mx.array:
-    """float32 [..., dim] from codes [..., words] and meta [..., halves]."""
+def _decode_part(part: PartFormat, codes: mx.array, meta: mx.array, dim: int) -> tuple[mx.array, mx.array | None]:
+    """(float32 [..., dim], scale float32 [..., 1] or None) from codes [..., words] and meta [..., halves].
+
+    Affine parts come back dequantized (scale None); AURA parts as unit centroids and their scale.
+    """
     if part.kind == AFFINE:
         groups = meta.shape[-1] // 2
         scales, biases = meta[..., :groups].astype(mx.float32), meta[..., groups:].astype(mx.float32)
         return affine_dequantize(AffineCodes(mx.contiguous(codes), scales, biases), bits=part.bits,
-                                 group_size=part.group_size, dtype=mx.float32, head_dim=dim)
-    return aura_lookup(codes, part.bits, dim) * meta.astype(mx.float32)
-
-
-def _decode_factored(part: PartFormat, codes: mx.array, meta: mx.array, dim: int) -> tuple[mx.array, mx.array | None]:
-    if part.kind == AFFINE:
-        return _decode_part(part, codes, meta, dim), None
+                                 group_size=part.group_size, dtype=mx.float32, head_dim=dim), None
     return aura_lookup(codes, part.bits, dim), meta.astype(mx.float32)
 
 

@@ -362,20 +362,24 @@ def test_chunked_history_equals_one_chunk(monkeypatch, scheme, dims):
     np.testing.assert_allclose(many, one, atol=1e-5 if DTYPE == mx.float32 else 8e-3)  # bf16 output: 2 ulp
 
 
-@pytest.mark.skipif(ON_CUDA, reason="chunks spread over CPU threads only on the MLX-ops path's CPU device")
 @pytest.mark.parametrize("scheme", ["aura4v2", "affine8"])
 def test_history_split_over_cpu_threads_equals_one_pass(monkeypatch, scheme):
-    """Three CPU streams, chunks of whole pages cut for them: same attention as one pass (NaN outside rows)."""
+    """Three CPU streams, chunks of whole pages cut for them: same attention as one pass (NaN outside rows).
+
+    Runs on the CPU on every machine (the threads are CPU streams; on a GPU machine too).
+    """
     fmt = layer_format(scheme, 64)
     store = Store(fmt, (70, 3, 129), 2, seed=6)
     q = mx.array(np.random.default_rng(2).standard_normal((3, 4, 1, 64)).astype(np.float32)).astype(DTYPE)
     monkeypatch.setattr(pa, "_cpu_streams", lambda: (None,))
-    one = as_np(run_decode(store, q, 0.125, None, "mlx-ops"))
+    with mx.stream(mx.cpu):
+        one = as_np(run_decode(store, q, 0.125, None, "mlx-ops"))
     monkeypatch.setattr(pa, "_cpu_streams", lambda: pa._thread_streams(3))
     monkeypatch.setattr(pa, "PARALLEL_MIN_TOKENS", PAGE)
     chunks = list(pa.History(mx.array(store.lengths), mx.array(store.page_table)).chunks(store.ref(), ways=3))
     assert len(chunks) == 3 and sum(rows[0].shape[2] for _, rows in chunks) == store.page_table.shape[1] * PAGE
-    split = as_np(run_decode(store, q, 0.125, None, "mlx-ops"))
+    with mx.stream(mx.cpu):
+        split = as_np(run_decode(store, q, 0.125, None, "mlx-ops"))
     np.testing.assert_allclose(split, one, atol=1e-5 if DTYPE == mx.float32 else 8e-3)
 
 
