@@ -8,8 +8,10 @@ waits once per window. The steps write a small tail pool (`cache.decode_window`)
 step may write the main pools in place only when nothing launched still reads them.
 
 The decode step is traced with `mx.compile` and replayed: building every layer's graph in
-Python each step is what bounds a GPU's decode rate at small batches. Prompt chunks run
-eagerly; each waits for what is in flight, so its writes land in place.
+Python each step is what bounds a GPU's decode rate at small batches; for Llama-style models the
+traced step is `model.decode.LeanDecoder` (mlx-lm's function in fewer primitives, each costing
+host time at every replay). Prompt chunks run eagerly; each waits for what is in flight, so its
+writes land in place.
 
 Hybrid models' recurrent state rides along: a prompt chunk reads and writes its slot's state
 in the state pool; a window gathers its rows' state once, feeds it through the traced steps,
@@ -32,6 +34,7 @@ import numpy as np
 from .cache.batched import BatchedKVCache
 from .cache.decode_window import WindowIndex
 from .cache.pages import SlotView
+from .model.decode import LeanDecoder
 from .request import Request
 from .sampling import RequestSampler
 from .scheduler import PrefillChunk, StepPlan
@@ -78,6 +81,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, cache: BatchedKVCache):
         self.model, self.cache = model, cache
         self._samplers: dict[str, RequestSampler] = {}
+        self._lean = LeanDecoder.build(model)  # None: the model's own forward traces the step
         self._step = mx.compile(self._window_step)  # traced once per shape (rows, pages read), then replayed
         self._window_start: WindowStart | None = None  # the last collected window's (hybrids)
 
@@ -172,7 +176,7 @@ class ModelRunner:
         """The traced decode step: logits [B, vocab], the arrays it wrote (tail, or main pools), the
         rows' new recurrent state."""
         layers, written, views = self.cache.window_layers(arrays, tail_arrays, indices, states)
-        logits = self.model(tokens[:, None], cache=layers)[:, -1]
+        logits = self._lean(tokens, layers) if self._lean else self.model(tokens[:, None], cache=layers)[:, -1]
         return logits, written.arrays, [a for view in views for a in view.cache]
 
     def _sample(self, logits: mx.array, requests: tuple[Request, ...]) -> mx.array:

@@ -1,0 +1,87 @@
+"""Residual add fused with the next RMSNorm: one kernel launch instead of two.
+
+A decoder layer adds each sublayer's output to the residual stream and normalizes the sum for
+the next sublayer; at decode the step's cost is one host launch per kernel (issue 10), so the
+pair runs as one CUDA kernel where MLX's CUDA backend is the default device, and as
+`x + r` then `mx.fast.rms_norm` elsewhere (the same arithmetic).
+
+Source: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019); the fused
+add-norm of vLLM's `fused_add_rms_norm`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from kernels import cuda_kv
+
+_SOURCE = r"""
+  // One block per row: h = x + r (rounded to T, as MLX's add), y = w * T(h * rsqrt(mean(h^2) + eps)).
+  const size_t base = (size_t)blockIdx.x * H;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < H; i += NT) {
+    const T v = static_cast<T>(static_cast<float>(x[base + i]) + static_cast<float>(r[base + i]));
+    h[base + i] = v;
+    const float f = static_cast<float>(v);
+    ss = fmaf(f, f, ss);
+  }
+  __shared__ float part[32];
+  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < NT / 32 ? part[threadIdx.x] : 0.f;
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    if (threadIdx.x == 0) part[0] = v;
+  }
+  __syncthreads();
+  const float inv = rsqrtf(part[0] / H + eps[0]);
+  for (int i = threadIdx.x; i < H; i += NT) {
+    const T n = static_cast<T>(static_cast<float>(h[base + i]) * inv);
+    y[base + i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(n));
+  }
+"""
+
+
+@functools.cache
+def _kernel():
+    return mx.fast.cuda_kernel(name="bm_add_rms_norm", input_names=["x", "r", "w", "eps"], output_names=["h", "y"],
+                               source=_SOURCE)
+
+
+@functools.cache
+def _eps(value: float) -> mx.array:
+    return mx.array([value], mx.float32)
+
+
+def add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+    """`h = x + residual` and `rms_norm(h) * weight`, in one launch on CUDA.
+
+    Args:
+        x (mx.array): [B, H] activations (the residual stream), float16/bfloat16/float32.
+        residual (mx.array): [B, H], same dtype: the sublayer output to add.
+        weight (mx.array): [H], the norm's scale, same dtype.
+        eps (float): Added to the mean square.
+
+    Returns:
+        tuple[mx.array, mx.array]: `h` [B, H] (the new residual stream) and the normalized `h` [B, H],
+        both in `x`'s dtype.
+
+    Raises:
+        ValueError: shapes that are not [B, H], [B, H], [H].
+    """
+    if x.ndim != 2 or residual.shape != x.shape or weight.shape != (x.shape[1],):
+        raise ValueError(f"add_rms_norm takes [B, H], [B, H], [H]; got {x.shape}, {residual.shape}, {weight.shape}")
+    if not cuda_kv.is_available():
+        h = x + residual
+        return h, mx.fast.rms_norm(h, weight, eps)
+    batch, hidden = x.shape
+    threads = 1024 if hidden >= 4096 else 256
+    return tuple(_kernel()(
+        inputs=[x, residual, weight, _eps(float(eps))],
+        template=[("T", x.dtype), ("H", hidden), ("NT", threads)],
+        grid=(batch * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype],
+    ))

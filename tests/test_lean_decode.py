@@ -1,0 +1,81 @@
+"""The lean decode forward computes what mlx-lm's forward computes, over the same paged caches."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from services.engine import attention
+from services.engine.cache import CacheOptions
+from services.engine.cache.batched import BatchedKVCache
+from services.engine.cache.paged_layers import PagedLayerCache
+from services.engine.model.decode import LeanDecoder
+from services.engine.model.fuse import fuse_projections
+
+
+def _tiny(family: str, **extra):
+    attention.install()
+    module = __import__(f"mlx_lm.models.{family}", fromlist=["Model"])
+    args = module.ModelArgs(model_type=family, hidden_size=128, num_hidden_layers=2, intermediate_size=192,
+                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96,
+                            max_position_embeddings=4096, rope_theta=10000.0, **extra)
+    mx.random.seed(3)
+    model = module.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def _both_forwards(model, scheme: str, prompt_lengths=(5, 17, 33)):
+    """Logits and written pools of one decode step over ragged rows: mlx-lm's forward, then the lean one."""
+    cache = BatchedKVCache.for_model(model, CacheOptions(scheme=scheme, max_context=256), capacity_tokens=512,
+                                     page_size=16, max_slots=4)
+    rng = np.random.default_rng(0)
+    vocab = model.args.vocab_size
+    views = [cache.acquire() for _ in prompt_lengths]
+    for view, n in zip(views, prompt_lengths):
+        batch = cache.batch([view], n)
+        mx.eval(model(mx.array(rng.integers(0, vocab, (1, n)), mx.uint32), cache=batch.layers), cache.arrays)
+    tokens = mx.array(rng.integers(0, vocab, len(views)), mx.uint32)
+    before = list(cache.arrays)
+    batch = cache.batch(views, 1)
+    storage = cache.storage.with_arrays(before)
+    lean_caches = [PagedLayerCache(storage, i, c.spec, c.index) for i, c in enumerate(batch.layers)]
+    want = model(tokens[:, None], cache=batch.layers)[:, -1]
+    decoder = LeanDecoder.build(model)
+    assert decoder is not None
+    got = decoder(tokens, lean_caches)
+    return (np.array(want), np.array(cache.arrays[0])), (np.array(got), np.array(storage.arrays[0]))
+
+
+@pytest.mark.parametrize("scheme", ["raw", "aura4v4", "affine4"])
+def test_default_model_lean_step_equals_mlx_lm_forward(default_model, scheme):
+    fuse_projections(default_model.model)
+    (want, want_pool), (got, got_pool) = _both_forwards(default_model.model, scheme)
+    assert got.shape == want.shape == (3, default_model.model.args.vocab_size)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    np.testing.assert_allclose(got_pool, want_pool, rtol=1e-5, atol=1e-5)  # the same K/V written
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("qwen3", {"tie_word_embeddings": False, "head_dim": 32}),  # q/k RMSNorm, separate lm_head
+    ("qwen2", {"tie_word_embeddings": True}),  # q/k/v bias
+])
+def test_other_families_lean_step_equals_mlx_lm_forward(family, extra):
+    model = _tiny(family, **extra)
+    fuse_projections(model)
+    (want, want_pool), (got, got_pool) = _both_forwards(model, "raw")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_pool, want_pool, rtol=1e-6, atol=1e-6)
+
+
+def test_unfused_or_foreign_models_keep_their_own_forward():
+    model = _tiny("qwen3", tie_word_embeddings=True, head_dim=32)
+    assert LeanDecoder.build(model) is None  # separate q/k/v: not the layout it reads
+    fuse_projections(model)
+    assert LeanDecoder.build(model) is not None
+    gemma = __import__("mlx_lm.models.gemma3_text", fromlist=["Model"])
+    assert LeanDecoder.build(gemma.Model(gemma.ModelArgs(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=1, intermediate_size=96, num_attention_heads=2,
+        head_dim=32, rms_norm_eps=1e-6, vocab_size=64, num_key_value_heads=1))) is None
