@@ -3,7 +3,9 @@
 A decoder layer adds each sublayer's output to the residual stream and normalizes the sum for
 the next sublayer; at decode the step's cost is one host launch per kernel (issue 10), so the
 pair runs as one CUDA kernel where MLX's CUDA backend is the default device, and as
-`x + r` then `mx.fast.rms_norm` elsewhere (the same arithmetic).
+`x + r` then `mx.fast.rms_norm` elsewhere. Both round the sum and the normalized value to the
+input dtype as MLX does; the kernel sums the squares in another order, so its normalizer may
+differ from `mx.fast.rms_norm`'s in the last bit.
 
 Source: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019); the fused
 add-norm of vLLM's `fused_add_rms_norm`.
@@ -70,10 +72,12 @@ def add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array, eps: float) 
         both in `x`'s dtype.
 
     Raises:
-        ValueError: shapes that are not [B, H], [B, H], [H].
+        ValueError: shapes that are not [B, H], [B, H], [H], or dtypes that differ.
     """
     if x.ndim != 2 or residual.shape != x.shape or weight.shape != (x.shape[1],):
         raise ValueError(f"add_rms_norm takes [B, H], [B, H], [H]; got {x.shape}, {residual.shape}, {weight.shape}")
+    if residual.dtype != x.dtype or weight.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm takes one dtype; got {x.dtype}, {residual.dtype}, {weight.dtype}")
     if not cuda_kv.is_available():
         h = x + residual
         return h, mx.fast.rms_norm(h, weight, eps)

@@ -37,7 +37,7 @@ def _both_forwards(model, scheme: str, prompt_lengths=(5, 17, 33)):
         batch = cache.batch([view], n)
         mx.eval(model(mx.array(rng.integers(0, vocab, (1, n)), mx.uint32), cache=batch.layers), cache.arrays)
     tokens = mx.array(rng.integers(0, vocab, len(views)), mx.uint32)
-    before = list(cache.arrays)
+    before = [mx.array(np.array(a)) for a in cache.arrays]  # copies: a write rebinds the cache's own arrays in place
     batch = cache.batch(views, 1)
     storage = cache.storage.with_arrays(before)
     lean_caches = [PagedLayerCache(storage, i, c.spec, c.index) for i, c in enumerate(batch.layers)]
@@ -45,6 +45,7 @@ def _both_forwards(model, scheme: str, prompt_lengths=(5, 17, 33)):
     decoder = LeanDecoder.build(model)
     assert decoder is not None
     got = decoder(tokens, lean_caches)
+    assert storage.arrays[0] is not cache.arrays[0]
     return (np.array(want), np.array(cache.arrays[0])), (np.array(got), np.array(storage.arrays[0]))
 
 
@@ -59,8 +60,9 @@ def test_default_model_lean_step_equals_mlx_lm_forward(default_model, scheme):
 
 
 @pytest.mark.parametrize("family, extra", [
-    ("qwen3", {"tie_word_embeddings": False, "head_dim": 32}),  # q/k RMSNorm, separate lm_head
+    ("qwen3", {"tie_word_embeddings": False, "head_dim": 48}),  # q/k RMSNorm, separate lm_head, head_dim != hidden / heads
     ("qwen2", {"tie_word_embeddings": True}),  # q/k/v bias
+    ("llama", {"attention_bias": True, "tie_word_embeddings": False}),  # q/k/v and o_proj bias
 ])
 def test_other_families_lean_step_equals_mlx_lm_forward(family, extra):
     model = _tiny(family, **extra)
@@ -68,6 +70,14 @@ def test_other_families_lean_step_equals_mlx_lm_forward(family, extra):
     (want, want_pool), (got, got_pool) = _both_forwards(model, "raw")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_pool, want_pool, rtol=1e-6, atol=1e-6)
+    assert np.abs(want_pool).sum() > 0  # the step wrote K/V (pages start zeroed)
+
+
+def test_mixed_dtype_models_keep_their_own_forward():
+    model = _tiny("qwen3", tie_word_embeddings=True, head_dim=32)
+    fuse_projections(model)
+    model.model.norm.weight = model.model.norm.weight.astype(mx.float16)
+    assert LeanDecoder.build(model) is None
 
 
 def test_unfused_or_foreign_models_keep_their_own_forward():

@@ -1,4 +1,4 @@
-"""A lean decode forward for Llama-style models: mlx-lm's function in half the primitives.
+"""A lean decode forward for Llama-style models: mlx-lm's function in fewer primitives.
 
 At decode, MLX spends host time on every primitive of the step's graph (~1.6 µs per view on
 the CPU backend, ~4.5 µs per launching primitive on CUDA), and at small batches the host, not
@@ -67,8 +67,10 @@ class LeanDecoder:
     """Decode forward of a fused Llama-style model: tokens [B] -> logits [B, vocab].
 
     Computes what `model(tokens[:, None], cache=caches)[:, -1]` computes (same weights, same
-    caches, same order of reductions per matmul row), with fewer graph nodes. Build it with
-    `LeanDecoder.build`, which returns None for a model it does not serve.
+    caches, the same operations), with fewer graph nodes; on CUDA the fused RMSNorm sums its
+    squares in another order, so a normalized value may differ in its last bit. Build it with
+    `LeanDecoder.build`, which returns None for a model it does not serve (other families,
+    quantized or biased MLPs, weights of mixed dtypes).
     """
 
     def __init__(self, model: nn.Module, layers: list[_Layer]):
@@ -91,7 +93,12 @@ class LeanDecoder:
         if "bias" in getattr(model, "lm_head", {}):
             return None
         layers = [_layer(block) for block in blocks]
-        return None if any(layer is None for layer in layers) else cls(model, layers)
+        if any(layer is None for layer in layers):
+            return None
+        dtype = inner.embed_tokens.weight.dtype  # the fused norm kernel computes in one dtype, as the model's must
+        weights = [inner.norm.weight] + [w for layer in layers for w in (
+            layer.input_norm.weight, layer.post_norm.weight, layer.qkv_t, layer.o_t, layer.gate_up_t, layer.down_t)]
+        return cls(model, layers) if all(w.dtype == dtype for w in weights) else None
 
     def __call__(self, tokens: mx.array, caches: list) -> mx.array:
         """Logits of the next token.
