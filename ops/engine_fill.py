@@ -23,7 +23,7 @@ FILL_CHUNK = 1024  # tokens encoded at once per layer (bounds the fill's tempora
 
 
 def filled_engine(loaded: LoadedModel, scheme: str, contexts: list[int], *, max_tokens: int, page_size: int = 16,
-                  decode_window: int = 8, capacity_tokens: int | None = None) -> tuple[EngineCore, list[Request]]:
+                  decode_window: int | None = None, capacity_tokens: int | None = None) -> tuple[EngineCore, list[Request]]:
     """An engine with one slot per context, filled, and one request per slot continuing it.
 
     Args:

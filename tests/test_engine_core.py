@@ -277,6 +277,17 @@ def test_duplicate_ids_and_busy_sessions_are_bad_requests(tiny_llama):
     assert list(core.stats().per_request) == ["a"]
 
 
+def test_decode_window_defaults_to_16_steps_where_steps_run_ahead_of_the_host(tiny_llama, monkeypatch):
+    loaded = tiny_loaded(tiny_llama)
+    assert make_core(loaded).scheduler.decode_window == 8  # the CPU: each step waits for the last
+    assert make_core(loaded, decode_window=4).scheduler.decode_window == 4
+    with monkeypatch.context() as patch:  # BatchedKVCache launches steps ahead through a tail pool off the CPU
+        patch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu, 0))
+        gpu_like = make_core(loaded)
+    assert gpu_like.cache.use_tail and gpu_like.scheduler.decode_window == 16
+    assert make_core(loaded, page_size=8, decode_window=16).scheduler.decode_window == 8  # at most a page
+
+
 def test_geometry_and_stats_describe_capacity(tiny_llama):
     core = make_core(tiny_loaded(tiny_llama), capacity_tokens=100, page_size=16)
     assert core.geometry == {
