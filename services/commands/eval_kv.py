@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-DEFAULT_SCHEMES = "affine8,affine4,aura8v8,aura8v4,aura5v3,aura4v4,aura4v2"
+DEFAULT_SCHEMES = "affine8,affine6,affine4,aura8v8,aura8v4,aura5v3,aura4v4,aura4v2"
 DEFAULT_OUT = Path("ops/results/eval_kv")
 
 

@@ -17,7 +17,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Add `--model`, `--dtype`, cache and context flags (defaults come from settings)."""
     parser.add_argument("--model", help="'default' (SmolLM2-135M-Instruct), 'gemma3-270m' (needs the [gemma] extra), a local HF/MLX folder, or a .gguf file")
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weight dtype (auto: float32 on CPU)")
-    parser.add_argument("--kv-cache", help="raw | affine8 | affine4 | aura4v4 | aura4v2 | aura8v4 | aura8v8 | aura{K}v{V}")
+    parser.add_argument("--kv-cache", help="raw | affine8 | affine6 | affine4 | aura4v4 | aura4v2 | aura8v4 | aura8v8 | aura{K}v{V}")
     parser.add_argument("--kv-raw-layers", type=lambda s: tuple(int(x) for x in s.split(",") if x), help="comma-separated layers kept raw, e.g. 0,29")
     parser.add_argument("--kv-window-size", type=int, help="sliding window per layer, in tokens (sinks included)")
     parser.add_argument("--kv-window-keep", type=int, help="attention-sink tokens pinned under a window (default 4)")
