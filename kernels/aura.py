@@ -32,7 +32,7 @@ from kernels.rotation import RandomizedHadamard
 SCALE_DTYPE = mx.float16
 SCHEME_MIN_BITS = 2
 _WORD_BITS = 32
-_SCHEME = re.compile(r"aura(\d)v(\d)")
+_SCHEME = re.compile(r"aura([1-9]\d*)v([1-9]\d*)")
 
 
 class AuraCodes(NamedTuple):
@@ -98,7 +98,7 @@ def pack_bits(values: mx.array, bits: int) -> mx.array:
 
     Args:
         values: Integer array `[..., n]` with values in `[0, 2**bits)`.
-        bits: Width of each value, 1..8.
+        bits: Width of each value, 1..10.
 
     Returns:
         uint32 `[..., ceil(n * bits / 32)]` in the `mx.quantize` bit-stream layout; bits past
@@ -121,7 +121,7 @@ def unpack_bits(packed: mx.array, bits: int, count: int | None = None) -> mx.arr
 
     Args:
         packed: uint32 `[..., words]`.
-        bits: Width of each value, 1..8.
+        bits: Width of each value, 1..10.
         count: Values to read; None: `words * 32 // bits`.
 
     Returns:
@@ -149,7 +149,7 @@ def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> Aura
 
     Args:
         x: `[B, H, L, d]` (any leading shape) float16, bfloat16 or float32 array.
-        bits: Code width, 1..8.
+        bits: Code width, 1..10.
         rotation: The layer's rotation; `rotation.head_dim == d`.
 
     Returns:
@@ -157,7 +157,7 @@ def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> Aura
         `[B, H, L, 1]`.
 
     Raises:
-        ValueError: If `bits` is outside 1..8 or `d` differs from `rotation.head_dim`.
+        ValueError: If `bits` is outside 1..10 or `d` differs from `rotation.head_dim`.
 
     Source: CACHES.md "AURA encode / decode"; TurboQuant (arXiv 2504.19874) Algorithm 1.
     """
@@ -187,7 +187,7 @@ def aura_decode_rotated(codes: AuraCodes, *, bits: int, dtype: mx.Dtype, head_di
         `[B, H, L, d]` array of `dtype`.
 
     Raises:
-        ValueError: If `bits` is outside 1..8 or the packed width does not hold `head_dim` codes.
+        ValueError: If `bits` is outside 1..10 or the packed width does not hold `head_dim` codes.
 
     Source: CACHES.md "AURA encode / decode".
     """
@@ -245,13 +245,13 @@ def parse_aura_scheme(name: str) -> tuple[int, int]:
     """Parse `"aura{K}v{V}"` into `(K, V)` code widths.
 
     Args:
-        name: Scheme name such as `"aura5v3"`; K and V must be in 2..8.
+        name: Scheme name such as `"aura5v3"`; K and V must be in 2..10.
 
     Returns:
         `(key_bits, value_bits)`.
 
     Raises:
-        ValueError: If `name` does not match or a width is outside 2..8.
+        ValueError: If `name` does not match or a width is outside 2..10.
     """
     match = _SCHEME.fullmatch(name) if isinstance(name, str) else None
     if match is None:

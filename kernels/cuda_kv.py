@@ -86,10 +86,13 @@ def encode_rows(fmt: LayerFormat, keys: mx.array, values: mx.array) -> mx.array:
     of the rotation, which can move a coordinate that sits on a threshold to its neighbour cell).
 
     Raises:
-        ValueError: a raw layer (raw layers store K and V as they come).
+        ValueError: a raw layer (raw layers store K and V as they come), or a format the kernels do not
+            take (`LayerFormat.is_regular` is false).
     """
     if fmt.is_raw:
         raise ValueError("raw layers have no encoder")
+    if not fmt.is_regular:
+        raise ValueError(f"the CUDA kernels take regular formats only (kernels.paged_attention.uses_cuda), got {fmt}")
     batch, heads, length, head_dim = keys.shape
     cb, thr = _tables(fmt)
     odd = (fmt.key_meta_halves + fmt.value_meta_halves) % 2

@@ -84,10 +84,11 @@ class PartFormat:
                              "1, 12, 20, 28 (64, 80, 96, 112, 128, 160, 192, 256, ...); keep such layers raw or affine")
 
     def is_regular(self, head_dim: int) -> bool:
-        """Codes fill whole words, affine groups divide head_dim, AURA's rotation is Sylvester's (CUDA kernels)."""
+        """Codes fill whole words, affine groups divide head_dim, AURA's rotation is Sylvester's and its codebook
+        has at most 256 centroids (what the CUDA kernels take)."""
         if self.kind == RAW:
             return True
-        if head_dim * self.bits % 32:
+        if head_dim * self.bits % 32 or (self.kind == AURA and self.bits > 8):
             return False
         return head_dim % self.group_size == 0 if self.kind == AFFINE else is_power_of_two(head_dim)
 

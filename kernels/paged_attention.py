@@ -121,8 +121,9 @@ def uses_cuda(fmt: LayerFormat) -> bool:
     """Whether the fused CUDA kernels serve this format here.
 
     They take one power-of-two head_dim from 8 to 256 for keys and values, codes in whole words,
-    affine groups that divide it and Sylvester rotations (`LayerFormat.is_regular`); other
-    geometries (head_dim 80, 96, 192, keys wider than values, tail groups) take the MLX-ops path.
+    affine groups that divide it, Sylvester rotations and AURA codes of 2..8 bits
+    (`LayerFormat.is_regular`); other geometries (head_dim 80, 96, 192, keys wider than values, tail
+    groups) and 9- or 10-bit AURA codes take the MLX-ops path.
     """
     if not fmt.is_regular:
         return False

@@ -184,7 +184,7 @@ def test_calibrate_rejects_bad_settings_before_measuring():
     for config, message in (
         (CalibrationConfig(budgets=(2.0,)), "at least 2.25"),
         (CalibrationConfig(reference_schemes=("affine3",)), "unknown KV cache scheme"),
-        (CalibrationConfig(widths=(1, 8)), "2..8"),
+        (CalibrationConfig(widths=(1, 8)), "2..10"),
         (CalibrationConfig(calibration_tokens=0), "calibration_tokens"),
     ):
         with pytest.raises(ValueError, match=message):

@@ -80,7 +80,7 @@ def test_unknown_kv_cache_scheme_lists_choices():
     (("generate", "--prompt", "hi", "--seed", "-1"), "seed: Input should be greater than or equal to 0"),
     (("generate", "--prompt", ""), "the prompt is empty"),
     (("generate", "--prompt", "hi", "--temperature", "nan"), "temperature: Input should be a finite number"),
-    (("inspect", "--kv-cache", "aura9v9"), "--kv-cache"),
+    (("inspect", "--kv-cache", "aura11v9"), "--kv-cache"),
     (("generate", "--prompt", "hi", "--max-context", "0"), "max_context: Input should be greater than or equal to 1"),
 ])
 def test_user_errors_are_one_line(args, message):

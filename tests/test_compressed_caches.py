@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kernels.kv_format import AFFINE, AURA, RAW, LayerFormat, PartFormat
+from kernels.paged_attention import uses_cuda
 from services.engine.cache import CacheOptions, KVCache, make_layer_caches
 from services.engine.cache.persist import load_caches, save_caches
 from services.engine.cache.schemes import layer_parts, part_from_meta
@@ -35,6 +36,7 @@ HAND_BYTES = {
     "aura8v4": (8 * 64 // 8 + 2, 4 * 64 // 8 + 2),
     "aura8v8": (8 * 64 // 8 + 2, 8 * 64 // 8 + 2),
     "aura5v3": (5 * 64 // 8 + 2, 3 * 64 // 8 + 2),
+    "aura9v10": (9 * 64 // 8 + 2, 10 * 64 // 8 + 2),
 }
 
 
@@ -240,4 +242,13 @@ def test_the_gateway_checks_scheme_names_without_weights():
     loaded = _loaded(None)
     assert cache_options(_settings("aura4v4"), loaded).scheme == "aura4v4"
     with pytest.raises(BadRequest, match="unknown KV cache scheme"):
-        cache_options(_settings("aura9v9"), loaded)
+        cache_options(_settings("aura11v9"), loaded)
+
+
+def test_aura_widths_above_8_bits_take_the_mlx_ops_path():
+    fmt = LayerFormat(*layer_parts("aura9v10", layer=0, dtype=mx.float32), 64)
+    assert fmt.name == "aura9v10" and not fmt.is_regular  # the CUDA kernels' codebooks hold 256 centroids
+    assert not uses_cuda(fmt)
+    for bad in ("aura11v8", "aura8v1", "aura1v1"):
+        with pytest.raises(ValueError, match="2..10"):
+            layer_parts(bad, layer=0, dtype=mx.float32)

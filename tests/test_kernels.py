@@ -85,7 +85,7 @@ def test_lloyd_max_4bit_mse_is_0_009501_not_the_printed_0_009497():
     assert abs(lloyd_max_mse(4) / 0.009497 - 1) < 5e-4
 
 
-@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("bits", range(1, 11))
 def test_lloyd_max_codebook_is_a_converged_lloyd_fixed_point(bits):
     codebook = lloyd_max_codebook(bits)
     assert codebook.dtype == np.float64 and codebook.shape == (2**bits,)
@@ -95,7 +95,7 @@ def test_lloyd_max_codebook_is_a_converged_lloyd_fixed_point(bits):
     np.testing.assert_allclose(lloyd_max_thresholds(bits), 0.5 * (codebook[1:] + codebook[:-1]))
 
 
-@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("bits", range(1, 11))
 def test_lloyd_max_mse_matches_quadrature(bits):
     assert lloyd_max_mse(bits) == pytest.approx(
         ref.lloyd_max_mse_quadrature(lloyd_max_codebook(bits)), rel=1e-9
@@ -116,7 +116,7 @@ def test_lloyd_max_codebook_is_cached_and_read_only():
         lloyd_max_codebook(3)[0] = 0.0
 
 
-@pytest.mark.parametrize("bits", [0, 9, 2.0, "4"])
+@pytest.mark.parametrize("bits", [0, 11, 2.0, "4"])
 def test_lloyd_max_rejects_bad_bits(bits):
     with pytest.raises(ValueError, match="bits"):
         lloyd_max_codebook(bits)
@@ -360,7 +360,7 @@ def test_affine_bits_per_element_equals_stored_bytes(bits, group_size, expected)
 # --------------------------------------------------------------------------- packing
 
 
-@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("bits", range(1, 11))
 def test_pack_round_trip_and_reference_layout(bits):
     rng = np.random.default_rng(bits)
     values = rng.integers(0, 2**bits, size=(2, 3, 7, 64)).astype(np.uint32)
@@ -404,7 +404,7 @@ def aura_reference_mse(x_np, rotation, bits):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, *NON_POWER_OF_TWO])
-@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("bits", range(1, 11))
 def test_aura_matches_float64_reference(bits, head_dim):
     rotation = RandomizedHadamard(head_dim, seed=bits)
     x_np = kv_like((1, 2, 64, head_dim), seed=bits).astype(np.float32).astype(np.float64)
@@ -531,7 +531,7 @@ def test_aura_token_slots_are_independent():
 
 
 @pytest.mark.parametrize(
-    "bits, head_dim, rotation_dim", [(0, 64, 64), (9, 64, 64), (4, 80, 64), (4, 64, 128)]
+    "bits, head_dim, rotation_dim", [(0, 64, 64), (11, 64, 64), (4, 80, 64), (4, 64, 128)]
 )
 def test_aura_encode_rejects_bad_arguments(bits, head_dim, rotation_dim):
     with pytest.raises(ValueError):
@@ -568,7 +568,7 @@ def test_parse_aura_scheme(name, expected):
 
 
 @pytest.mark.parametrize(
-    "name", ["aura1v4", "aura4v9", "aura10v2", "aura4", "AURA4v2", "aura4v2x", "affine4", "", None]
+    "name", ["aura1v4", "aura4v11", "aura11v2", "aura4v1", "aura04v4", "aura4", "AURA4v2", "aura4v2x", "affine4", "", None]
 )
 def test_parse_aura_scheme_rejects(name):
     with pytest.raises(ValueError, match="aura"):

@@ -2,7 +2,7 @@
 
 Calibrates on the first half of --text (the Lee corpus by default; any UTF-8 file): the mean
 KL(raw || scheme) when only one layer's K, or only its V, is compressed at each AURA width
-(2..8 bits). Per --budgets target (average stored bits per K/V element, metadata included) it
+(--widths, 2..10 bits). Per --budgets target (average stored bits per K/V element, metadata included) it
 picks the widths minimizing the summed KL (an exact knapsack) and writes them as a --kv-cache
 spec. Then it measures every spec and the --schemes references on the held-out second half.
 Writes calibrate_kv.json, calibrate_kv.md, calibrate_kv.png and one calibrated_{budget}.kvcache
@@ -41,8 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "reference's bits are added)")
     parser.add_argument("--schemes", default=DEFAULT_SCHEMES,
                         help=f"reference schemes measured held out (default {DEFAULT_SCHEMES})")
-    parser.add_argument("--widths", type=_numbers(int), default=tuple(range(2, 9)),
-                        help="candidate AURA widths (default 2,3,4,5,6,7,8)")
+    parser.add_argument("--widths", type=_numbers(int), help="candidate AURA widths (default 2,3,...,10)")
     parser.add_argument("--calibration-tokens", type=int, default=512, help="tokens from the first half (default 512)")
     parser.add_argument("--heldout-tokens", type=int, default=2048, help="tokens from the second half (default 2048)")
     parser.add_argument("--chunk", type=int, default=256, help="tokens per forward (default 256)")
@@ -57,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from services.eval.calibrate_report import markdown_report, results_dict
     from services.eval.corpus import LEE_CORPUS
     from services.eval.plot import plot_calibration
-    from services.eval.sensitivity import attention_layers, layer_runs
+    from services.eval.sensitivity import WIDTHS, attention_layers, layer_runs
 
     text_path = args.text or LEE_CORPUS
     text = read_text(text_path)
@@ -65,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     source = {"model": loaded.path.name, "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
               "calibration_tokens": args.calibration_tokens, "chunk": args.chunk}
     sensitivity = None if args.sensitivity is None else load_sensitivity(args.sensitivity, source)
-    widths = args.widths if sensitivity is None else sensitivity.widths
+    widths = (args.widths or WIDTHS) if sensitivity is None else sensitivity.widths
     config = CalibrationConfig(budgets=args.budgets, reference_schemes=tuple(s for s in args.schemes.split(",") if s),
                                calibration_tokens=args.calibration_tokens, heldout_tokens=args.heldout_tokens,
                                chunk=args.chunk, widths=widths)

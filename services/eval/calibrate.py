@@ -27,7 +27,7 @@ from .allocate import Allocation, allocate
 from .corpus import split_halves, text_token_ids
 from .kv_eval import score_chunks
 from .metrics import KLReference, Quality, logprob_chunks
-from .sensitivity import (WHOLE_SCHEMES, WIDTHS, OneLayerRuns, Sensitivity, attention_layers, measure_sensitivity,
+from .sensitivity import (WHOLE_SCHEMES, WIDTHS, OneLayerRuns, Sensitivity, attention_layers, check_widths, measure_sensitivity,
                           measure_whole)
 
 DEFAULT_BUDGETS = (3.25, 4.25, 6.25, 8.25)  # bits/element of aura4v2, aura4v4, aura8v4, aura8v8
@@ -169,7 +169,7 @@ def check_config(model: nn.Module, config: CalibrationConfig) -> float:
         float: The model's AURA metadata bits per element (`aura_overhead_bits`).
 
     Raises:
-        ValueError: a count below 1, a width outside 2..8, a budget below every layer at the
+        ValueError: a count below 1, a width outside 2..10, a budget below every layer at the
             narrowest width, or an unknown reference scheme.
     """
     overhead_bits = aura_overhead_bits(model)
@@ -177,8 +177,7 @@ def check_config(model: nn.Module, config: CalibrationConfig) -> float:
                         ("heldout_tokens", config.heldout_tokens), ("chunk", config.chunk)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
-    if not config.widths or any(not 2 <= w <= 8 for w in config.widths):
-        raise ValueError(f"AURA widths must lie in 2..8, got {list(config.widths)}")
+    check_widths(config.widths)
     floor_bits = min(config.widths) + overhead_bits
     if not config.budgets or min(config.budgets) < floor_bits:
         raise ValueError(f"budgets must be at least {floor_bits:g} bits/element (every layer at "

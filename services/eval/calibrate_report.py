@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
+
+from kernels.aura import parse_aura_scheme
 
 from .calibrate import Calibration, CalibrationConfig, Measured
 from .sensitivity import PARTNER_BITS, Sensitivity
@@ -96,8 +97,10 @@ def _widths(calibration: Calibration) -> str:
 
 
 def _widths_cell(scheme: str) -> str:
-    match = re.fullmatch(r"aura(\d)v(\d)", scheme)
-    return f"{match[1]}/{match[2]}" if match else scheme
+    try:
+        return "{}/{}".format(*parse_aura_scheme(scheme))
+    except ValueError:  # a whole-layer scheme (affine8, raw)
+        return scheme
 
 
 def _sensitivity(sensitivity: Sensitivity) -> str:

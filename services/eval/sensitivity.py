@@ -20,14 +20,22 @@ from dataclasses import asdict, dataclass, replace
 import mlx.nn as nn
 import numpy as np
 
+from kernels.aura import SCHEME_MIN_BITS
+from kernels.lloyd_max import MAX_BITS
 from services.engine.cache import CacheOptions, KVCache, make_layer_caches
 
 from .metrics import KLReference, logprob_chunks
 from .replay import RecordedRun
 
 PARTNER_BITS = 8  # width of the half (K or V) not under test
-WIDTHS = tuple(range(2, 9))  # candidate AURA widths (bits per element)
+WIDTHS = tuple(range(2, 11))  # candidate AURA widths (bits per element)
 WHOLE_SCHEMES = ("affine8", "raw")  # registry schemes above AURA's widest: whole-layer candidates
+
+
+def check_widths(widths) -> None:
+    """Raises ValueError unless there are widths and each is an AURA scheme width (2..10 bits)."""
+    if not widths or any(not SCHEME_MIN_BITS <= w <= MAX_BITS for w in widths):
+        raise ValueError(f"AURA widths must lie in {SCHEME_MIN_BITS}..{MAX_BITS}, got {list(widths)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,14 +136,14 @@ def measure_sensitivity(
 ) -> Sensitivity:
     """Compress one layer at a time and measure the mean KL against the raw cache.
 
-    Costs `len(layer_runs(widths))` teacher-forced runs per attention layer (13 for widths
-    2..8), plus one per whole-layer scheme other than raw; each starts at the layer under test.
+    Costs `len(layer_runs(widths))` teacher-forced runs per attention layer (17 for the
+    default widths 2..10), plus one per whole-layer scheme other than raw; each starts at the layer under test.
 
     Args:
         model (nn.Module): mlx-lm model.
         token_ids (list[int]): Calibration tokens; position i predicts token i+1.
         chunk (int): Tokens per forward (tokens).
-        widths (tuple[int, ...]): Candidate widths, each in 2..8.
+        widths (tuple[int, ...]): Candidate widths, each in 2..10.
         whole (tuple[str, ...]): Whole-layer schemes to measure too (`measure_whole`).
         on_run (Callable[[str], None] | None): Called with each scheme spec after its run.
 
@@ -143,10 +151,9 @@ def measure_sensitivity(
         Sensitivity: Over every attention layer.
 
     Raises:
-        ValueError: a width outside 2..8, or an unknown whole-layer scheme.
+        ValueError: a width outside 2..10, or an unknown whole-layer scheme.
     """
-    if not widths or any(not 2 <= w <= 8 for w in widths):
-        raise ValueError(f"AURA widths must lie in 2..8, got {list(widths)}")
+    check_widths(widths)
     runs = OneLayerRuns(model, token_ids, chunk=chunk)
     layers = attention_layers(model)
     key_kl, value_kl = [], []

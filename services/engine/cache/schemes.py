@@ -63,8 +63,8 @@ def _aura(match: re.Match, layer: int, dtype: mx.Dtype) -> Parts:
 FAMILIES = (
     Family(re.compile(r"raw"), _raw, ("raw",), "raw"),
     Family(re.compile(r"affine(8|6|4)"), _affine, ("affine8", "affine6", "affine4"), "affine{8,6,4}"),
-    Family(re.compile(r"aura([2-8])v([2-8])"), _aura, ("aura4v4", "aura4v2", "aura8v4", "aura8v8"),
-           "aura{K}v{V} with K, V in 2..8"),
+    Family(re.compile(r"aura([2-9]|10)v([2-9]|10)"), _aura, ("aura4v4", "aura4v2", "aura8v4", "aura8v8"),
+           "aura{K}v{V} with K, V in 2..10"),
 )
 SCHEMES = tuple(name for family in FAMILIES for name in family.listed)  # named in --help
 
