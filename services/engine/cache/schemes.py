@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from kernels.aura import SCHEME_MIN_BITS
 from kernels.kv_format import AFFINE, AURA, RAW, LayerFormat, PartFormat
+from kernels.lloyd_max import MAX_BITS
 from services.engine.dtypes import mx_dtype
 
 AURA_SEED = 0x0A0A  # base of the per-layer rotation seeds (K: +2*layer, V: +2*layer+1); part of the format
@@ -60,11 +62,12 @@ def _aura(match: re.Match, layer: int, dtype: mx.Dtype) -> Parts:
             PartFormat(AURA, int(match[2]), seed=seed + 1, dtype=dtype))
 
 
+_AURA_WIDTH = "|".join(map(str, range(SCHEME_MIN_BITS, MAX_BITS + 1)))  # kernels.aura's scheme widths
 FAMILIES = (
     Family(re.compile(r"raw"), _raw, ("raw",), "raw"),
     Family(re.compile(r"affine(8|6|4)"), _affine, ("affine8", "affine6", "affine4"), "affine{8,6,4}"),
-    Family(re.compile(r"aura([2-9]|10)v([2-9]|10)"), _aura, ("aura4v4", "aura4v2", "aura8v4", "aura8v8"),
-           "aura{K}v{V} with K, V in 2..10"),
+    Family(re.compile(rf"aura({_AURA_WIDTH})v({_AURA_WIDTH})"), _aura, ("aura4v4", "aura4v2", "aura8v4", "aura8v8"),
+           f"aura{{K}}v{{V}} with K, V in {SCHEME_MIN_BITS}..{MAX_BITS}"),
 )
 SCHEMES = tuple(name for family in FAMILIES for name in family.listed)  # named in --help
 

@@ -75,7 +75,8 @@ class LeanDecoder:
 
     def __init__(self, model: nn.Module, layers: list[_Layer]):
         inner = model.model
-        self._embed, self._norm, self._layers = inner.embed_tokens, inner.norm, layers
+        self._embed, self._layers = inner.embed_tokens, layers
+        self._next_norms = [layer.input_norm for layer in layers[1:]] + [inner.norm]  # the norm after each layer
         head = inner.embed_tokens if model.args.tie_word_embeddings else model.lm_head
         self._head_t = _transposed(head.weight)
 
@@ -112,8 +113,7 @@ class LeanDecoder:
         """
         x = self._embed(tokens)  # [B, hidden]
         normed = self._layers[0].input_norm(x)
-        norms = [layer.input_norm for layer in self._layers[1:]] + [self._norm]
-        for layer, cache, next_norm in zip(self._layers, caches, norms):
+        for layer, cache, next_norm in zip(self._layers, caches, self._next_norms):
             x, normed = add_rms_norm(x, _attention(layer, normed, cache), layer.post_norm.weight, layer.post_norm.eps)
             h = _matmul(normed, layer.gate_up_t, None)
             mlp = _matmul(swiglu(h[:, : layer.intermediate], h[:, layer.intermediate:]), layer.down_t, None)
