@@ -20,29 +20,39 @@ import mlx.core as mx
 from kernels import cuda_kv
 
 _SOURCE = r"""
-  // One block per row: h = x + r (rounded to T, as MLX's add), y = w * T(h * rsqrt(mean(h^2) + eps)).
+  // One block of NT threads per row; thread t keeps elements [t * E, t * E + E) in registers, so each
+  // input is read once, all loads issued before any store: h = T(x + r) (MLX's add),
+  // y = T(w * T(h * rsqrt(mean(h^2) + eps))) (MLX's norm).
+  constexpr int E = (H + NT - 1) / NT;
   const size_t base = (size_t)blockIdx.x * H;
+  const int first = threadIdx.x * E;
+  float v[E];
   float ss = 0.f;
-  for (int i = threadIdx.x; i < H; i += NT) {
-    const T v = static_cast<T>(static_cast<float>(x[base + i]) + static_cast<float>(r[base + i]));
-    h[base + i] = v;
-    const float f = static_cast<float>(v);
-    ss = fmaf(f, f, ss);
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int i = first + e;
+    v[e] = i < H ? static_cast<float>(static_cast<T>(static_cast<float>(x[base + i]) + static_cast<float>(r[base + i])))
+                 : 0.f;
+    ss = fmaf(v[e], v[e], ss);
   }
   __shared__ float part[32];
   for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
   if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
   __syncthreads();
   if (threadIdx.x < 32) {
-    float v = threadIdx.x < NT / 32 ? part[threadIdx.x] : 0.f;
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    if (threadIdx.x == 0) part[0] = v;
+    float t = threadIdx.x < NT / 32 ? part[threadIdx.x] : 0.f;
+    for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+    if (threadIdx.x == 0) part[0] = t;
   }
   __syncthreads();
   const float inv = rsqrtf(part[0] / H + eps[0]);
-  for (int i = threadIdx.x; i < H; i += NT) {
-    const T n = static_cast<T>(static_cast<float>(h[base + i]) * inv);
-    y[base + i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(n));
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int i = first + e;
+    if (i < H) {
+      h[base + i] = static_cast<T>(v[e]);
+      y[base + i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(v[e] * inv)));
+    }
   }
 """
 
@@ -82,7 +92,7 @@ def add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array, eps: float) 
         h = x + residual
         return h, mx.fast.rms_norm(h, weight, eps)
     batch, hidden = x.shape
-    threads = 1024 if hidden >= 4096 else 256
+    threads = min(1024, (-(-hidden // 8) + 31) // 32 * 32)  # about 8 elements a thread, whole warps
     return tuple(_kernel()(
         inputs=[x, residual, weight, _eps(float(eps))],
         template=[("T", x.dtype), ("H", hidden), ("NT", threads)],

@@ -6,13 +6,14 @@ the GPU, sets the pace (issue 10). mlx-lm's modules run `[B, L, D]` activations:
 adds a weight transpose and a flatten/unflatten around its matmul, and attention reshapes and
 transposes q, k, v and its output — about 30 views per layer that launch nothing. This forward
 runs the same modules' weights on `[B, D]` activations (one token per row): the weights'
-transposes are taken once (evaluated views, no copy), q, k and v are one reshape and three
-slices of the fused projection, each residual add runs in one launch with the RMSNorm after it
-(`kernels.fused_norm`), and each layer's cache (`PagedLayerCache`) is called directly.
+transposes are taken once (evaluated views, no copy), q, k and v come out of the fused projection
+normalized (Qwen3) and rotated in one launch (`kernels.qkv_rope`), each residual add runs in one
+launch with the RMSNorm after it (`kernels.fused_norm`), and each layer's cache
+(`PagedLayerCache`) is called directly.
 
 It serves the model types whose decoder layer is mlx-lm's Llama block with fused projections
-(`model.fuse`): llama (and mistral), qwen2 (q/k/v bias), qwen3 (q/k RMSNorm). Anything else
-(quantized layers, other families, hybrids) keeps mlx-lm's forward.
+(`model.fuse`): llama (and mistral), qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), with mlx's `nn.RoPE` or
+Llama 3's RoPE. Anything else (quantized layers, other families or RoPEs, hybrids) keeps mlx-lm's forward.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from kernels.fused_norm import add_rms_norm
+from kernels.qkv_rope import RopeSpec, split_qkv_rope
 
 from .fuse import FusedView
 
@@ -55,7 +57,7 @@ class _Layer:
     down_t: mx.array  # [intermediate, hidden]
     q_norm: nn.Module | None
     k_norm: nn.Module | None
-    rope: nn.Module
+    rope: RopeSpec
     n_heads: int
     n_kv_heads: int
     head_dim: int
@@ -99,6 +101,7 @@ class LeanDecoder:
         dtype = inner.embed_tokens.weight.dtype  # the fused norm kernel computes in one dtype, as the model's must
         weights = [inner.norm.weight] + [w for layer in layers for w in (
             layer.input_norm.weight, layer.post_norm.weight, layer.qkv_t, layer.o_t, layer.gate_up_t, layer.down_t)]
+        weights += [n.weight for layer in layers for n in (layer.q_norm, layer.k_norm) if n is not None]
         return cls(model, layers) if all(w.dtype == dtype for w in weights) else None
 
     def __call__(self, tokens: mx.array, caches: list) -> mx.array:
@@ -125,11 +128,9 @@ def _attention(layer: _Layer, h: mx.array, cache) -> mx.array:
     """Self-attention of one token per row: h [B, hidden] -> [B, hidden]."""
     batch = h.shape[0]
     heads, kv = layer.n_heads, layer.n_kv_heads
-    qkv = _matmul(h, layer.qkv_t, layer.qkv_bias).reshape(batch, heads + 2 * kv, 1, layer.head_dim)
-    q, k, v = qkv[:, :heads], qkv[:, heads: heads + kv], qkv[:, heads + kv:]
-    if layer.q_norm is not None:
-        q, k = layer.q_norm(q), layer.k_norm(k)
-    q, k = layer.rope(q, offset=cache.offset), layer.rope(k, offset=cache.offset)
+    qkv = _matmul(h, layer.qkv_t, layer.qkv_bias)
+    q, k, v = split_qkv_rope(qkv, n_heads=heads, n_kv_heads=kv, head_dim=layer.head_dim, rope=layer.rope,
+                             offset=cache.offset, q_norm=layer.q_norm, k_norm=layer.k_norm)
     k, v = cache.update_and_fetch(k, v)
     out = cache.attend(q, k, v, scale=layer.scale, mask=None)  # [B, heads, 1, head_dim]
     return _matmul(out.reshape(batch, heads * layer.head_dim), layer.o_t, layer.o_bias)
@@ -160,13 +161,16 @@ def _layer(block: nn.Module) -> _Layer | None:
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     if any(type(n) is not nn.RMSNorm for n in norms + [q_norm, k_norm] if n is not None) or None in norms:
         return None
+    rope = RopeSpec.of(getattr(attn, "rope", None))
+    if rope is None:  # YaRN, LongRoPE, ...: mlx-lm's forward calls the module
+        return None
     head_dim = (qkv.bounds[2] - qkv.bounds[1]) // attn.n_kv_heads
     return _Layer(
         input_norm=norms[0], post_norm=norms[1],
         qkv_t=_transposed(qkv.weight), qkv_bias=qkv.bias,
         o_t=_transposed(o.weight), o_bias=o.bias if "bias" in o else None,
         gate_up_t=_transposed(gate_up.weight), down_t=_transposed(down.weight),
-        q_norm=q_norm, k_norm=k_norm, rope=attn.rope,
+        q_norm=q_norm, k_norm=k_norm, rope=rope,
         n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=head_dim, scale=attn.scale,
         intermediate=gate_up.bounds[1],
     )

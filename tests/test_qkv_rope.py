@@ -1,0 +1,125 @@
+"""`split_qkv_rope` equals float64 RMSNorm + RoPE and the model's own modules (the CUDA kernel where it runs,
+on the H200; the MLX-ops fallback on a CPU-only machine)."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
+
+from kernels.qkv_rope import RopeSpec, split_qkv_rope
+
+ULP = {mx.float32: 2.0**-23, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
+LLAMA3 = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _inv_freq(spec: RopeSpec) -> np.ndarray:
+    """float64 [dims / 2]: base^(-2i / dims), or 1 / freqs."""
+    if spec.freqs is not None:
+        return 1.0 / np.array(spec.freqs, np.float64)
+    return spec.base ** (-np.arange(spec.dims // 2, dtype=np.float64) / (spec.dims // 2))
+
+
+def _reference(x: np.ndarray, pos: np.ndarray, spec: RopeSpec, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """float64 RMSNorm (optional) then RoPE of x [B, heads, D] at positions pos [B]."""
+    if weight is not None:
+        x = x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * weight
+    out, half = x.copy(), spec.dims // 2
+    theta = spec.scale * pos[:, None, None] * _inv_freq(spec)[None, None, :]  # [B, 1, dims / 2]
+    i1 = np.arange(half) * 2 if spec.traditional else np.arange(half)
+    i2 = i1 + 1 if spec.traditional else i1 + half
+    a, b = x[..., i1], x[..., i2]
+    out[..., i1] = a * np.cos(theta) - b * np.sin(theta)
+    out[..., i2] = a * np.sin(theta) + b * np.cos(theta)
+    return out
+
+
+def _f64(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32), np.float64)
+
+
+ROPES = {
+    "default": lambda d: nn.RoPE(d, base=10000.0),
+    "qwen3": lambda d: nn.RoPE(d, base=1_000_000.0),
+    "traditional": lambda d: nn.RoPE(d, traditional=True, base=10000.0),
+    "partial_linear": lambda d: nn.RoPE(d // 2, base=10000.0, scale=0.25),
+    "llama3": lambda d: Llama3RoPE(d, base=500000.0, scaling_config=LLAMA3),
+}
+
+
+@pytest.mark.parametrize("rope", ROPES)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("head_dim, heads, kv, norm", [(64, 8, 2, False), (128, 4, 4, True), (48, 6, 3, True)])
+def test_split_qkv_rope_matches_float64_and_the_model_modules(rope, dtype, head_dim, heads, kv, norm):
+    module = ROPES[rope](head_dim)
+    spec = RopeSpec.of(module)
+    rng = np.random.default_rng(head_dim + heads)
+    pos = np.array([0, 7, 4095, 32769], np.int64)
+    batch = pos.size
+    qkv = mx.array(rng.standard_normal((batch, (heads + 2 * kv) * head_dim)) * 2, dtype)
+    q_norm = k_norm = None
+    if norm:
+        q_norm, k_norm = nn.RMSNorm(head_dim, eps=1e-6), nn.RMSNorm(head_dim, eps=1e-5)
+        q_norm.weight = mx.array(rng.uniform(0.5, 1.5, head_dim), dtype)
+        k_norm.weight = mx.array(rng.uniform(0.5, 1.5, head_dim), dtype)
+    q, k, v = split_qkv_rope(qkv, n_heads=heads, n_kv_heads=kv, head_dim=head_dim, rope=spec,
+                             offset=mx.array(pos, mx.int32), q_norm=q_norm, k_norm=k_norm)
+    assert q.shape == (batch, heads, 1, head_dim) and k.shape == v.shape == (batch, kv, 1, head_dim)
+    assert q.dtype == k.dtype == v.dtype == dtype
+
+    x = _f64(qkv).reshape(batch, heads + 2 * kv, head_dim)
+    xq, xk, xv = x[:, :heads], x[:, heads: heads + kv], x[:, heads + kv:]
+    np.testing.assert_array_equal(_f64(v)[:, :, 0], xv)  # values pass through untouched
+    # Rounding of the normalized value and of the output (2 ulp), and float32 angles: an ulp of inv_freq
+    # times the position.
+    tol = 3 * ULP[dtype] + float(pos.max()) * 2.0**-23 * 2
+    for got, xs, n in ((q, xq, q_norm), (k, xk, k_norm)):
+        want = _reference(xs, pos.astype(np.float64), spec, None if n is None else _f64(n.weight), n.eps if n else 0)
+        scale = np.abs(want).max(-1, keepdims=True)
+        np.testing.assert_allclose(_f64(got)[:, :, 0] / scale, want / scale, atol=tol, rtol=0)
+
+    # The model's own path: reshape, slice, nn.RMSNorm, the RoPE module (exact on the fallback; the kernel
+    # rounds as MLX does, its norm may sum squares in another order: within 2 ulp).
+    for b in range(batch):
+        xs = qkv[b: b + 1].reshape(1, heads + 2 * kv, 1, head_dim)
+        mq, mk = xs[:, :heads], xs[:, heads: heads + kv]
+        if norm:
+            mq, mk = q_norm(mq), k_norm(mk)
+        mq, mk = module(mq, offset=int(pos[b])), module(mk, offset=int(pos[b]))
+        for got, want in ((q[b: b + 1], mq), (k[b: b + 1], mk)):
+            w = _f64(want)
+            np.testing.assert_allclose(_f64(got), w, atol=2 * ULP[dtype] * np.abs(w).max(), rtol=0)
+
+
+def test_an_int_offset_is_every_row_s_position():
+    spec = RopeSpec.of(nn.RoPE(64))
+    qkv = mx.array(np.random.default_rng(0).standard_normal((3, 12 * 64)), mx.float32)
+    by_int = split_qkv_rope(qkv, n_heads=4, n_kv_heads=4, head_dim=64, rope=spec, offset=77)
+    by_rows = split_qkv_rope(qkv, n_heads=4, n_kv_heads=4, head_dim=64, rope=spec, offset=mx.full((3,), 77, mx.int32))
+    for a, b in zip(by_int, by_rows):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+def test_rope_spec_reads_supported_modules_and_refuses_others():
+    spec = RopeSpec.of(nn.RoPE(32, traditional=True, base=500.0, scale=0.5))
+    assert (spec.dims, spec.traditional, spec.base, spec.scale, spec.freqs) == (32, True, 500.0, 0.5, None)
+    llama3 = RopeSpec.of(Llama3RoPE(64, base=500000.0, scaling_config=LLAMA3))
+    assert llama3.base is None and llama3.freqs.shape == (32,) and llama3.freqs.dtype == mx.float32
+    # Llama 3's long wavelengths are stretched by `factor`, short ones kept: the first dim's frequency is base^0 = 1.
+    assert math.isclose(float(llama3.freqs[0]), 1.0) and math.isclose(float(llama3.freqs[-1]),
+                                                                      32.0 * 500000.0 ** (62 / 64), rel_tol=1e-6)
+    assert RopeSpec.of(YarnRoPE(64)) is None
+    assert RopeSpec.of(None) is None
+
+
+def test_split_qkv_rope_rejects_bad_shapes_and_half_norms():
+    spec = RopeSpec.of(nn.RoPE(64))
+    with pytest.raises(ValueError, match="width"):
+        split_qkv_rope(mx.zeros((2, 100)), n_heads=4, n_kv_heads=2, head_dim=64, rope=spec, offset=0)
+    with pytest.raises(ValueError, match="together"):
+        split_qkv_rope(mx.zeros((2, 8 * 64)), n_heads=4, n_kv_heads=2, head_dim=64, rope=spec, offset=0,
+                       q_norm=nn.RMSNorm(64))
