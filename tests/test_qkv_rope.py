@@ -52,7 +52,7 @@ ROPES = {
 
 
 @pytest.mark.parametrize("rope", ROPES)
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim, heads, kv, norm", [(64, 8, 2, False), (128, 4, 4, True), (48, 6, 3, True)])
 def test_split_qkv_rope_matches_float64_and_the_model_modules(rope, dtype, head_dim, heads, kv, norm):
     module = ROPES[rope](head_dim)
