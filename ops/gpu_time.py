@@ -1,0 +1,93 @@
+"""Where the GPU time of the engine's decode goes: every CUDA kernel the process runs, timed by CUPTI.
+
+MLX has no GPU timer, so this borrows PyTorch's profiler (CUPTI activity records cover every
+kernel of the process, MLX's included). It drives `EngineCore` over random-weight streams, then
+reports per decode step the GPU's busy time (kernels, overlaps merged), the span from first to
+last kernel, and kernel time by name. Busy close to the wall time per step means the step is
+bound by GPU execution, not by the host's launches.
+
+Needs PyTorch with CUDA next to MLX's CUDA backend (PyTorch is not a buttermilk dependency):
+
+    python -m ops.gpu_time --random-model llama-1b --batch-sizes 1,64
+
+Writes JSON (default `ops/results/gpu_time_<model>.json`); not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (µs in, µs out)."""
+    total, start, end = 0.0, None, None
+    for s, e in sorted(spans):
+        if end is None or s > end:
+            total += 0.0 if end is None else end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    return total + (0.0 if end is None else end - start)
+
+
+def profile_batch(loaded, batch: int, tokens: int, top: int) -> dict:
+    """One run of `batch` streams decoding `tokens` each (after an untimed warm-up run), under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ops.bench_batching import prompts_for, run_ours
+    from services.engine.cache import CacheOptions
+    from services.engine.core import EngineCore
+
+    prompts = prompts_for(batch, loaded.model.args.vocab_size, seed=batch)
+    longest = max(map(len, prompts)) + tokens
+    core = EngineCore(loaded, CacheOptions(max_context=longest + 1), capacity_tokens=batch * (longest + 16),
+                      max_slots=batch, step_token_budget=max(512, batch), page_size=16)
+    run_ours(core, prompts, tokens)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        rate = run_ours(core, prompts, tokens)
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        by_name[e.name[:90]][0] += 1
+        by_name[e.name[:90]][1] += e.device_time_total
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+    busy, span = busy_us(spans), max(e for _, e in spans) - min(s for s, _ in spans)
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"tok_s": round(rate, 1), "wall_s": round(wall, 4), "kernels": len(kernels),
+            "gpu_busy_us": round(busy, 1), "gpu_span_us": round(span, 1),
+            "per_step_busy_us": round(busy / tokens, 1), "per_step_span_us": round(span / tokens, 1),
+            "kernels_per_step": round(len(kernels) / tokens, 1),
+            "top": [{"name": name, "count": n, "us_total": round(us, 1), "us_per_step": round(us / tokens, 2)}
+                    for name, (n, us) in ranked]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--random-model", default="llama-1b", choices=["llama-1b", "qwen3-1.7b"])
+    parser.add_argument("--batch-sizes", default="1", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--tokens", type=int, default=64, help="decode tokens per stream (per-step figures divide by it)")
+    parser.add_argument("--top", type=int, default=40, help="kernel names kept, by total time")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    import torch
+
+    from ops.bench_batching import random_model
+
+    torch.cuda.init()  # CUPTI needs a CUDA context of PyTorch's own
+    loaded = random_model(args.random_model, "bfloat16")
+    result = {str(b): profile_batch(loaded, b, args.tokens, args.top) for b in args.batch_sizes}
+    out = args.out or RESULTS / f"gpu_time_{args.random_model}.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({b: {k: v for k, v in r.items() if k != "top"} for b, r in result.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
