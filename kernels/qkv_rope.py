@@ -146,29 +146,37 @@ def split_qkv_rope(
             (heads in the order q, k, v), float16/bfloat16/float32, row-contiguous.
         n_heads, n_kv_heads, head_dim (int): H, KV, D.
         rope (RopeSpec): The model's RoPE.
-        offset (int | mx.array): Each row's position: an int, or int32 [B].
-        q_norm, k_norm (nn.RMSNorm | None): Per-head RMSNorm of queries and keys (Qwen3), both or neither.
+        offset (int | mx.array): Each row's position: an int, or int32 [B] (hot paths: an int costs a launch
+            on CUDA to spread it over the rows).
+        q_norm, k_norm (nn.RMSNorm | None): Per-head RMSNorm of queries and keys (Qwen3), both or neither,
+            weights in qkv's dtype.
 
     Returns:
         tuple: q [B, H, 1, D], k [B, KV, 1, D] (RoPE applied) and v [B, KV, 1, D], in qkv's dtype.
 
     Raises:
-        ValueError: qkv's width is not (H + 2 KV) D, or only one of the norms is given.
+        ValueError: qkv is not [B, (H + 2 KV) D], only one of the norms is given, a norm weight is in another
+            dtype, or offset is an array of another shape than [B].
     """
-    batch, width = qkv.shape
     heads = n_heads + 2 * n_kv_heads
-    if width != heads * head_dim:
-        raise ValueError(f"qkv has width {width}, expected ({n_heads} + 2 * {n_kv_heads}) * {head_dim}")
+    if qkv.ndim != 2 or qkv.shape[1] != heads * head_dim:
+        raise ValueError(f"qkv must be [B, ({n_heads} + 2 * {n_kv_heads}) * {head_dim}], got {qkv.shape}")
+    batch = qkv.shape[0]
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm come together (Qwen3) or not at all")
-    if not cuda_kv.is_available() or head_dim % 2 or rope.dims > head_dim:
+    if q_norm is not None and not q_norm.weight.dtype == k_norm.weight.dtype == qkv.dtype:
+        raise ValueError(f"q/k norm weights must be in qkv's dtype {qkv.dtype}, got {q_norm.weight.dtype}, "
+                         f"{k_norm.weight.dtype}")
+    if isinstance(offset, mx.array) and offset.shape not in ((), (batch,)):
+        raise ValueError(f"offset must be an int or int32 [{batch}], got shape {offset.shape}")
+    if not cuda_kv.is_available() or head_dim % 2 or rope.dims % 2 or rope.dims > head_dim:
         x = qkv.reshape(batch, heads, 1, head_dim)
         q, k, v = x[:, :n_heads], x[:, n_heads: n_heads + n_kv_heads], x[:, n_heads + n_kv_heads:]
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         return rope.apply(q, offset), rope.apply(k, offset), v
     norm = q_norm is not None
-    pos = offset if isinstance(offset, mx.array) else mx.full((batch,), offset, mx.int32)
+    pos = mx.full((batch,), offset, mx.int32) if not isinstance(offset, mx.array) or offset.ndim == 0 else offset
     return tuple(_kernel()(
         inputs=[qkv, pos if pos.dtype == mx.int32 else pos.astype(mx.int32), rope.freqs if rope.freqs is not None else _one(mx.float32),
                 q_norm.weight if norm else _one(qkv.dtype), k_norm.weight if norm else _one(qkv.dtype),

@@ -11,7 +11,7 @@ from kernels.fused_norm import add_rms_norm
 
 
 @pytest.mark.parametrize("dtype, tol", [(mx.float32, 1e-5), (mx.float16, 4e-3), (mx.bfloat16, 2e-2)])
-@pytest.mark.parametrize("batch, hidden", [(1, 96), (1, 576), (3, 2048), (5, 4096)])
+@pytest.mark.parametrize("batch, hidden", [(1, 96), (1, 576), (2, 1000), (3, 2048), (5, 4096), (2, 16384)])
 def test_add_rms_norm_matches_float64(dtype, tol, batch, hidden):
     rng = np.random.default_rng(hidden + batch)
     x, r = (mx.array(rng.standard_normal((batch, hidden)) * 3, dtype) for _ in range(2))

@@ -73,6 +73,27 @@ def test_other_families_lean_step_equals_mlx_lm_forward(family, extra):
     assert np.abs(want_pool).sum() > 0  # the step wrote K/V (pages start zeroed)
 
 
+def test_llama3_rope_model_lean_step_equals_mlx_lm_forward():
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # short, so positions here cross every band
+    model = _tiny("llama", tie_word_embeddings=True, rope_scaling=scaling)
+    fuse_projections(model)
+    (want, want_pool), (got, got_pool) = _both_forwards(model, "raw", prompt_lengths=(5, 70, 200))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_pool, want_pool, rtol=1e-6, atol=1e-6)
+
+
+def test_models_with_other_ropes_or_mixed_norm_dtypes_keep_their_own_forward():
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    model = _tiny("llama", tie_word_embeddings=True, rope_scaling=yarn)
+    fuse_projections(model)
+    assert LeanDecoder.build(model) is None
+    model = _tiny("qwen3", tie_word_embeddings=True, head_dim=32)
+    fuse_projections(model)
+    model.model.layers[1].self_attn.q_norm.weight = model.model.layers[1].self_attn.q_norm.weight.astype(mx.float16)
+    assert LeanDecoder.build(model) is None
+
+
 def test_mixed_dtype_models_keep_their_own_forward():
     model = _tiny("qwen3", tie_word_embeddings=True, head_dim=32)
     fuse_projections(model)

@@ -116,10 +116,26 @@ def test_rope_spec_reads_supported_modules_and_refuses_others():
     assert RopeSpec.of(None) is None
 
 
-def test_split_qkv_rope_rejects_bad_shapes_and_half_norms():
+def test_split_qkv_rope_rejects_bad_shapes_norms_and_offsets():
     spec = RopeSpec.of(nn.RoPE(64))
-    with pytest.raises(ValueError, match="width"):
+    qkv = mx.zeros((2, 8 * 64))
+    with pytest.raises(ValueError, match=r"qkv must be \[B"):
         split_qkv_rope(mx.zeros((2, 100)), n_heads=4, n_kv_heads=2, head_dim=64, rope=spec, offset=0)
+    with pytest.raises(ValueError, match=r"qkv must be \[B"):
+        split_qkv_rope(mx.zeros((2, 1, 8 * 64)), n_heads=4, n_kv_heads=2, head_dim=64, rope=spec, offset=0)
     with pytest.raises(ValueError, match="together"):
-        split_qkv_rope(mx.zeros((2, 8 * 64)), n_heads=4, n_kv_heads=2, head_dim=64, rope=spec, offset=0,
-                       q_norm=nn.RMSNorm(64))
+        split_qkv_rope(qkv, n_heads=4, n_kv_heads=2, head_dim=64, rope=spec, offset=0, q_norm=nn.RMSNorm(64))
+    half = nn.RMSNorm(64)
+    half.weight = half.weight.astype(mx.float16)
+    with pytest.raises(ValueError, match="dtype"):
+        split_qkv_rope(qkv, n_heads=4, n_kv_heads=2, head_dim=64, rope=spec, offset=0, q_norm=half, k_norm=half)
+    with pytest.raises(ValueError, match="offset"):
+        split_qkv_rope(qkv, n_heads=4, n_kv_heads=2, head_dim=64, rope=spec, offset=mx.zeros((3,), mx.int32))
+
+
+def test_a_scalar_array_offset_is_every_row_s_position():
+    spec = RopeSpec.of(nn.RoPE(64))
+    qkv = mx.array(np.random.default_rng(1).standard_normal((2, 8 * 64)), mx.float32)
+    for a, b in zip(split_qkv_rope(qkv, n_heads=4, n_kv_heads=2, head_dim=64, rope=spec, offset=mx.array(9)),
+                    split_qkv_rope(qkv, n_heads=4, n_kv_heads=2, head_dim=64, rope=spec, offset=9)):
+        np.testing.assert_array_equal(np.array(a), np.array(b))

@@ -1,8 +1,9 @@
 """A lean decode forward for Llama-style models: mlx-lm's function in fewer primitives.
 
 At decode, MLX spends host time on every primitive of the step's graph (~1.6 µs per view on
-the CPU backend, ~4.5 µs per launching primitive on CUDA), and at small batches the host, not
-the GPU, sets the pace (issue 10). mlx-lm's modules run `[B, L, D]` activations: each Linear
+the CPU backend, ~4.5 µs per launching primitive on CUDA); with mlx-lm's forward the host, not
+the GPU, set the pace at small batches (issue 10), and with this one the H200 step is bound by
+the GPU's own execution (`ops/results/gpu_time_llama-1b.json`). mlx-lm's modules run `[B, L, D]` activations: each Linear
 adds a weight transpose and a flatten/unflatten around its matmul, and attention reshapes and
 transposes q, k, v and its output — about 30 views per layer that launch nothing. This forward
 runs the same modules' weights on `[B, D]` activations (one token per row): the weights'
@@ -69,10 +70,11 @@ class LeanDecoder:
     """Decode forward of a fused Llama-style model: tokens [B] -> logits [B, vocab].
 
     Computes what `model(tokens[:, None], cache=caches)[:, -1]` computes (same weights, same
-    caches, the same operations), with fewer graph nodes; on CUDA the fused RMSNorm sums its
-    squares in another order, so a normalized value may differ in its last bit. Build it with
-    `LeanDecoder.build`, which returns None for a model it does not serve (other families,
-    quantized or biased MLPs, weights of mixed dtypes).
+    caches, the same operations), with fewer graph nodes; on CUDA the fused RMSNorms (after each
+    residual add, and Qwen3's on q and k) sum their squares in another order, so a normalized value
+    may differ in its last bit. Build it with `LeanDecoder.build`, which returns None for a model it
+    does not serve (other families, RoPEs other than `nn.RoPE` and Llama 3's, quantized or biased
+    MLPs, weights of mixed dtypes).
     """
 
     def __init__(self, model: nn.Module, layers: list[_Layer]):
