@@ -3,7 +3,8 @@
 MLX has no GPU timer, so this borrows PyTorch's profiler (CUPTI activity records cover every
 kernel of the process, MLX's included). It drives `EngineCore` over random-weight streams, then
 reports per decode step the GPU's busy time (kernels, overlaps merged), the span from first to
-last kernel, and kernel time by name. Busy close to the wall time per step means the step is
+last kernel, and kernel time by name. Host activity is recorded too, which slows the host: compare
+busy time with an unprofiled run's wall time per step. Busy close to the wall time per step means the step is
 bound by GPU execution, not by the host's launches.
 
 Needs PyTorch with CUDA next to MLX's CUDA backend (PyTorch is not a buttermilk dependency):
@@ -49,7 +50,7 @@ def profile_batch(loaded, batch: int, tokens: int, top: int) -> dict:
     core = EngineCore(loaded, CacheOptions(max_context=longest + 1), capacity_tokens=batch * (longest + 16),
                       max_slots=batch, step_token_budget=max(512, batch), page_size=16)
     run_ours(core, prompts, tokens)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         rate = run_ours(core, prompts, tokens)
         wall = time.perf_counter() - t0
