@@ -41,14 +41,10 @@ def profile_batch(loaded, batch: int, tokens: int, top: int) -> dict:
     """One run of `batch` streams decoding `tokens` each (after an untimed warm-up run), under the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ops.bench_batching import prompts_for, run_ours
-    from services.engine.cache import CacheOptions
-    from services.engine.core import EngineCore
+    from ops.bench_batching import make_core, prompts_for, run_ours
 
     prompts = prompts_for(batch, loaded.model.args.vocab_size, seed=batch)
-    longest = max(map(len, prompts)) + tokens
-    core = EngineCore(loaded, CacheOptions(max_context=longest + 1), capacity_tokens=batch * (longest + 16),
-                      max_slots=batch, step_token_budget=max(512, batch), page_size=16)
+    core = make_core(loaded, prompts, tokens, page_size=16)
     run_ours(core, prompts, tokens)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
