@@ -27,6 +27,7 @@ _LOG2E = math.log2(math.e)
 _SHARED_ACC_BYTES = 40 * 1024  # partial kernel: per-block merge buffer, E x G x D floats
 _ENCODE_WARPS = 4  # vectors encoded per block of the encoder (one warp each; `sidx_all` in its source)
 _COMBINE_THREADS = 512  # the combine kernel's block at most (`NT` in its source)
+_MAX_SPLIT_PAGES = 256  # pages one split walks at most (its page ids sit in shared memory: `MAXPG`)
 
 
 def is_available() -> bool:
@@ -38,7 +39,7 @@ def is_available() -> bool:
 def _kernels() -> dict:
     kernel = functools.partial(mx.fast.cuda_kernel, header=HEADER)
     return {
-        "encode": kernel(name="bm_kv_encode", input_names=["k", "v", "ksign", "vsign", "cb", "thr"],
+        "encode": kernel(name="bm_kv_encode", input_names=["k", "v", "ksign", "vsign", "cb", "thr", "kmean"],
                          output_names=["out"], source=ENCODE, ensure_row_contiguous=False),
         "partial": kernel(name="bm_paged_decode_partial",
                           input_names=["q", "kp", "vp", "kt", "vt", "pt", "lens", "cb", "qsign", "params", "fparams"],
@@ -79,8 +80,11 @@ def _layout_args(fmt: LayerFormat) -> list[tuple[str, object]]:
             ("KWORDS", fmt.key_words), ("KMH", fmt.key_meta_halves), ("VMH", fmt.value_meta_halves)]
 
 
-def encode_rows(fmt: LayerFormat, keys: mx.array, values: mx.array) -> mx.array:
+def encode_rows(fmt: LayerFormat, keys: mx.array, values: mx.array, key_mean: mx.array | None = None) -> mx.array:
     """Encode K and V [B, H, L, D] (any strides) into compressed rows uint32 [B, H, L, row_words].
+
+    `key_mean` (float32 [H, 1, D], or None): subtracted from every key in float32 before it is encoded
+    (`services.engine.cache.centering`), with no launch of its own.
 
     Same codes as `LayerFormat.encode` (affine: identical; AURA: identical up to float rounding
     of the rotation, which can move a coordinate that sits on a threshold to its neighbour cell).
@@ -97,9 +101,10 @@ def encode_rows(fmt: LayerFormat, keys: mx.array, values: mx.array) -> mx.array:
     cb, thr = _tables(fmt)
     odd = (fmt.key_meta_halves + fmt.value_meta_halves) % 2
     (rows,) = _kernels()["encode"](
-        inputs=[keys, values, _signs(fmt.key, head_dim), _signs(fmt.value, head_dim), cb, thr],
+        inputs=[keys, values, _signs(fmt.key, head_dim), _signs(fmt.value, head_dim), cb, thr,
+                _constant((0.0,), mx.float32) if key_mean is None else key_mean.astype(mx.float32).reshape(-1)],
         template=[("T", keys.dtype), ("D", head_dim), *_part_args("K", fmt.key), *_part_args("V", fmt.value),
-                  *_layout_args(fmt), ("PADMETA", bool(odd))],
+                  *_layout_args(fmt), ("PADMETA", bool(odd)), ("CENTER", key_mean is not None)],
         grid=(-(-batch * heads * length // _ENCODE_WARPS) * 32 * _ENCODE_WARPS, 1, 1),
         threadgroup=(32 * _ENCODE_WARPS, 1, 1),
         output_shapes=[(batch, heads, length, fmt.row_words)],
@@ -130,9 +135,11 @@ class Tuning:
 
 
 def _split_plan(max_tokens: int, batch: int, n_kv_heads: int, page_size: int, waves: int) -> tuple[int, int]:
-    """(tokens per split, splits): enough blocks to fill the GPU `waves` times over."""
+    """(tokens per split, splits): enough blocks to fill the GPU `waves` times over, each split at most
+    `_MAX_SPLIT_PAGES` pages."""
     target = max(1, math.ceil(waves * NUM_SMS / (batch * n_kv_heads)))
     per_split = max(page_size, math.ceil(math.ceil(max_tokens / target) / page_size) * page_size)
+    per_split = min(per_split, _MAX_SPLIT_PAGES * page_size)
     return per_split, max(1, math.ceil(max_tokens / per_split))
 
 
@@ -194,7 +201,7 @@ def decode_attention(
         inputs=[queries, kp, vp, kt, vt, page_table, lengths, cb, _signs(fmt.key, head_dim),
                 _constant((per_split, pages, tail_pages, 0), mx.int32), _constant((q_scale,), mx.float32)],
         template=[("T", queries.dtype), ("RT", raw_dtype), ("D", head_dim), ("G", group), ("P", page_size),
-                  ("LPT", lanes), ("W", warps), ("U", tuning.unroll), *_part_args("K", fmt.key), *_part_args("V", fmt.value),
+                  ("LPT", lanes), ("W", warps), ("U", tuning.unroll), ("MAXPG", _MAX_SPLIT_PAGES), *_part_args("K", fmt.key), *_part_args("V", fmt.value),
                   *_layout_args(fmt), ("ROTATE", rotate), ("QREG", tuning.query_in_registers),
                   ("PREFETCH", tuning.prefetch)],
         grid=(splits * 32 * warps, n_kv_heads, batch),

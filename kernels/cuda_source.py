@@ -126,7 +126,8 @@ __device__ __forceinline__ void fwht_shared(float* v, int rows) {
 """
 
 # Inputs: k, v [..., D] (strided), ksign, vsign float [D], cb float [512] (K centroids at 0,
-# V at 256), thr float [512] (thresholds, same split). Output rows uint32 [N, ROWW].
+# V at 256), thr float [512] (thresholds, same split), kmean float [H * D] (with CENTER:
+# subtracted from every key first, `services.engine.cache.centering`). Output rows uint32 [N, ROWW].
 # One warp per vector pair, vector n = ((b * H) + h) * L + l; lane j holds dims [j * E, j * E + E)
 # (E = D / 32, or 1 with D lanes when D < 32). Reductions and the Walsh-Hadamard butterflies
 # across lanes are warp shuffles: no block barrier anywhere.
@@ -158,6 +159,7 @@ ENCODE = r"""
     for (int e = 0; e < E; ++e) {
       const int d = lane * E + e;
       x[e] = live ? static_cast<float>(src[b * st[0] + h * st[1] + l * st[2] + d * st[3]]) : 0.f;
+      if (CENTER && part == 0 && live) x[e] -= kmean[h * D + d];
     }
     if (MODE == 2) {  // AURA
       const float* sign = part == 0 ? ksign : vsign;
@@ -261,9 +263,16 @@ PARTIAL = r"""
   const int t_begin = split * tps;
   const int t_end = min(t_begin + tps, lens[b]);
 
-  __shared__ float cbs[512];
+  constexpr bool NEEDCB = KMODE == 2 || VMODE == 2;  // AURA codebooks; affine and raw decode without one
+  __shared__ float cbs[NEEDCB ? 512 : 1];
   __shared__ float qs[G * D];
-  for (int i = threadIdx.x; i < 512; i += blockDim.x) cbs[i] = cb[i];
+  __shared__ int pids[MAXPG];  // the split's page ids: a K/V load then waits on no global read
+  if constexpr (NEEDCB) {
+    for (int i = threadIdx.x; i < 512; i += blockDim.x) cbs[i] = cb[i];
+  }
+  const int* table = pt + (size_t)b * NP;
+  const int pg0 = t_begin / P;  // t_begin is a whole number of pages
+  for (int i = threadIdx.x; pg0 + i < (t_end + P - 1) / P; i += blockDim.x) pids[i] = table[pg0 + i];
   for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
     const float x = static_cast<float>(q[((size_t)(b * Hkv + h) * G) * D + i]);
     qs[i] = ROTATE ? x * qsign[i % D] : x;
@@ -284,8 +293,6 @@ PARTIAL = r"""
       acc[g][i] = 0.f;
     }
   }
-  const int* table = pt + (size_t)b * NP;
-
   using KS = Slice<KMODE, KBITS, D, DPL, RT>;
   using VS = Slice<VMODE, VBITS, D, DPL, RT>;
   // Tile = U tokens per lane group. PREFETCH: the loads of tile i + 1 are issued before the math
@@ -297,7 +304,7 @@ PARTIAL = r"""
     for (int u = 0; u < U; ++u) {
       const int t = token(base, u);
       if (t < t_end) {
-        const int page = table[t / P];
+        const int page = pids[t / P - pg0];
         const bool in_tail = page >= pages;
         const size_t r = ((size_t)h * (in_tail ? tail_pages : pages) + (in_tail ? page - pages : page)) * P + (t % P);
         if constexpr (KMODE == 0) {

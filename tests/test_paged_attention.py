@@ -388,17 +388,20 @@ def test_history_split_over_cpu_threads_equals_one_pass(monkeypatch, scheme):
 @pytest.mark.skipif(not ON_CUDA, reason="the CUDA encoder needs MLX's CUDA backend (the H200 run covers it)")
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES if s not in ("raw", "aura9v10")])  # what the kernels take
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_cuda_encoder_matches_mlx_ops_encoder(scheme, head_dim):
+@pytest.mark.parametrize("centered", [False, True], ids=["as-is", "centered"])
+def test_cuda_encoder_matches_mlx_ops_encoder(scheme, head_dim, centered):
     """Affine rows are bit-identical to `mx.quantize`'s (CPU rule); AURA codes agree except at
-    thresholds (the rotation sums in another order), and decode to the same vectors closely."""
+    thresholds (the rotation sums in another order), and decode to the same vectors closely.
+    Centered: the kernel's own subtraction of a key mean equals encoding `keys - mean`."""
     fmt = LayerFormat(*SCHEMES[scheme](mx.float32), head_dim)
     # strided inputs, as the model hands them over: [B, L, H, D] transposed to [B, H, L, D]
     x = mx.array(np.random.default_rng(head_dim).standard_normal((2, 40, 3, head_dim)).astype(np.float32) * 3)
     y = mx.array(np.random.default_rng(1).standard_normal((2, 40, 3, head_dim)).astype(np.float32))
     x, y = x.transpose(0, 2, 1, 3), y.transpose(0, 2, 1, 3)
-    got = np.array(cuda_kv.encode_rows(fmt, x, y))
+    mean = mx.array(np.random.default_rng(2).standard_normal((3, 1, head_dim)).astype(np.float32)) if centered else None
+    got = np.array(cuda_kv.encode_rows(fmt, x, y, mean))
     with mx.stream(mx.cpu):
-        (want,) = fmt.encode(x, y)
+        (want,) = fmt.encode(x if mean is None else x - mean, y)
     want = np.array(want)
     if fmt.key.kind == AFFINE:
         np.testing.assert_array_equal(got, want)

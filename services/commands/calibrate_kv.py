@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=int, default=256, help="tokens per forward (default 256)")
     parser.add_argument("--sensitivity", type=Path,
                         help="reuse the sensitivities in a calibrate_kv.json from the same model, text and settings")
+    parser.add_argument("--no-center-keys", dest="center_keys", action="store_false",
+                        help="store compressed keys as they come (default: centered on their calibration means)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
 
 
@@ -62,12 +64,12 @@ def run(args: argparse.Namespace) -> int:
     text = read_text(text_path)
     loaded = load_model(args.model, dtype=args.dtype)
     source = {"model": loaded.path.name, "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
-              "calibration_tokens": args.calibration_tokens, "chunk": args.chunk}
+              "calibration_tokens": args.calibration_tokens, "chunk": args.chunk, "center_keys": args.center_keys}
     sensitivity = None if args.sensitivity is None else load_sensitivity(args.sensitivity, source)
     widths = (args.widths or WIDTHS) if sensitivity is None else sensitivity.widths
     config = CalibrationConfig(budgets=args.budgets, reference_schemes=tuple(s for s in args.schemes.split(",") if s),
                                calibration_tokens=args.calibration_tokens, heldout_tokens=args.heldout_tokens,
-                               chunk=args.chunk, widths=widths)
+                               chunk=args.chunk, widths=widths, center_keys=args.center_keys)
     check_config(loaded.model, config)
     layers = len(attention_layers(loaded.model))
     runs = 0 if sensitivity else layers * len(layer_runs(widths))

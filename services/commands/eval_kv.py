@@ -34,11 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recall-filler", type=int, default=1500, help="filler tokens before the question (default 1500)")
     parser.add_argument("--recall-window", type=int, default=256,
                         help="window of the windowed recall answers, tokens incl. the fact's sinks (default 256)")
+    parser.add_argument("--no-center-keys", dest="center_keys", action="store_false",
+                        help="store compressed keys as they come (default: centered on the model's mean keys, "
+                             "measured as the engine does)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
 
 
 def run(args: argparse.Namespace) -> int:
     from services.engine.model.loader import load_model
+    from services.engine.runtime import default_key_means
     from services.eval.kv_eval import EvalConfig, evaluate
     from services.eval.plot import plot_quality
     from services.eval.recall import FACTS
@@ -54,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     config = EvalConfig(schemes=tuple(s for s in args.schemes.split(",") if s), num_tokens=args.tokens,
                         chunk=args.chunk, num_prompts=args.prompts, max_new=args.max_new,
                         raw_layers=args.kv_raw_layers, recall_keys=args.recall_keys,
-                        recall_filler_tokens=args.recall_filler, recall_window=args.recall_window)
+                        recall_filler_tokens=args.recall_filler, recall_window=args.recall_window,
+                        key_means=default_key_means(loaded) if args.center_keys else None)
     results = evaluate(loaded.model, loaded.tokenizer, config)
     dtype = str(loaded.dtype).removeprefix("mlx.core.")
     args.out.mkdir(parents=True, exist_ok=True)

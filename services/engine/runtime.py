@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 
 from shared.errors import BadRequest
 from shared.settings import ModelSettings
 
 from .cache import CacheOptions, Window, make_layer_caches
+from .cache.centering import CALIBRATION_TOKENS, KeyMeans
 from .cache.schemes import layer_parts
 from .model.loader import LoadedModel, load_model
 
@@ -40,11 +43,20 @@ def cache_options(settings: ModelSettings, loaded: LoadedModel) -> CacheOptions:
     try:  # every layer's parts against its own widths (read off the model: MLA, split K/V, ...)
         if loaded.model is None:  # the gateway: no weights, names only (each engine checks its model)
             layer_parts(options.scheme, layer=0, dtype=mx.float16)
-        else:
-            make_layer_caches(loaded.model, options)
+            return options
+        make_layer_caches(loaded.model, options)
     except ValueError as exc:
         raise BadRequest(f"--kv-cache: {exc}") from exc
+    if settings.kv_center_keys and options.scheme != "raw":
+        options = replace(options, key_means=default_key_means(loaded))
     return options
+
+
+def default_key_means(loaded: LoadedModel) -> KeyMeans:
+    """The model's mean keys over the first `CALIBRATION_TOKENS` of the Lee corpus (`cache.centering`)."""
+    from services.eval.corpus import corpus_token_ids
+
+    return KeyMeans.measure(loaded.model, corpus_token_ids(loaded.tokenizer, CALIBRATION_TOKENS))
 
 
 def open_model(settings: ModelSettings) -> tuple[LoadedModel, CacheOptions]:

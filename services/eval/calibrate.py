@@ -7,6 +7,8 @@
 3. Per budget, allocate widths (`allocate.allocate`) and measure the resulting spec: mean KL on
    the calibration tokens (the additive model's own error) and on the first `heldout_tokens`
    of the second half, next to the uniform reference schemes on the same held-out tokens.
+   Compressed keys are centered on means measured on the first `CALIBRATION_TOKENS` calibration
+   tokens (`cache.centering`; `center_keys`), in every run: sensitivity, calibration and held out.
    Every affine reference also adds its own bits/element as a budget, so each calibrated
    allocation can be compared with affine at equal bytes.
 """
@@ -21,6 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from services.engine.cache import CacheOptions, make_layer_caches
+from services.engine.cache.centering import CALIBRATION_TOKENS, KeyMeans
 from services.engine.cache.report import bits_per_element
 
 from .allocate import Allocation, allocate
@@ -44,6 +47,7 @@ class CalibrationConfig:
     chunk: int = 256  # tokens per forward
     widths: tuple[int, ...] = WIDTHS  # candidate AURA widths (bits)
     whole_schemes: tuple[str, ...] = WHOLE_SCHEMES  # whole-layer candidates above AURA's 8 bits
+    center_keys: bool = True  # center compressed keys on means from the calibration tokens (`cache.centering`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,16 +108,17 @@ def calibrate(
     """
     overhead = check_config(model, config)
     split = _split(tokenizer, text, config)
+    means = KeyMeans.measure(model, split.calibration[:CALIBRATION_TOKENS]) if config.center_keys else None
     if sensitivity is None:
         sensitivity = measure_sensitivity(model, split.calibration, chunk=config.chunk, widths=config.widths,
-                                          whole=config.whole_schemes, on_run=on_run)
+                                          whole=config.whole_schemes, on_run=on_run, key_means=means)
     elif sensitivity.layers != attention_layers(model):
         raise ValueError(f"the sensitivity table covers layers {list(sensitivity.layers)}, not this model's")
     elif any(s not in row for s in config.whole_schemes for row in sensitivity.whole_kl or [{}]):
-        runs = OneLayerRuns(model, split.calibration, chunk=config.chunk)
+        runs = OneLayerRuns(model, split.calibration, chunk=config.chunk, key_means=means)
         sensitivity = measure_whole(model, sensitivity, config.whole_schemes, runs=runs, on_run=on_run)
     whole_bits = {s: scheme_bits(model, s) for s in config.whole_schemes}
-    heldout = _HeldOut(model, split.heldout, config.chunk, on_run)
+    heldout = _HeldOut(model, split.heldout, config.chunk, on_run, means)
     references = [heldout.raw] + [heldout.measure(s) for s in config.reference_schemes if s != "raw"]
     budgets = sorted(set(config.budgets) | {round(r.bits_per_element, 6) for r in references
                                             if r.scheme.startswith("affine")})
@@ -121,7 +126,7 @@ def calibrate(
                    for b in budgets]
     calibration_reference = [KLReference.from_logprobs(lp) for lp in logprob_chunks(
         model, _caches(model, "raw", len(split.calibration)), split.calibration, chunk=config.chunk)]
-    points = [CalibratedPoint(a, _mean_kl(model, a.spec, split.calibration, calibration_reference, config.chunk),
+    points = [CalibratedPoint(a, _mean_kl(model, a.spec, split.calibration, calibration_reference, config.chunk, means),
                               heldout.measure(a.spec)) for a in allocations]
     return Calibration(sensitivity, overhead, references, points)
 
@@ -129,8 +134,9 @@ def calibrate(
 class _HeldOut:
     """The held-out tokens, the raw cache's log-probabilities on them, and `measure(scheme)`."""
 
-    def __init__(self, model: nn.Module, token_ids: list[int], chunk: int, on_run: Callable[[str], None] | None):
-        self.model, self.chunk, self.on_run = model, chunk, on_run
+    def __init__(self, model: nn.Module, token_ids: list[int], chunk: int, on_run: Callable[[str], None] | None,
+                 key_means: KeyMeans | None):
+        self.model, self.chunk, self.on_run, self.key_means = model, chunk, on_run, key_means
         self.ids, self.targets = token_ids[:-1], np.array(token_ids[1:])
         caches = _caches(model, "raw", len(self.ids))
         self.logprobs = list(logprob_chunks(model, caches, self.ids, chunk=chunk))
@@ -138,7 +144,7 @@ class _HeldOut:
         self.raw = Measured("raw", bits_per_element(caches), quality, 0.0)
 
     def measure(self, scheme: str) -> Measured:
-        caches = _caches(self.model, scheme, len(self.ids))
+        caches = _caches(self.model, scheme, len(self.ids), self.key_means)
         chunks = logprob_chunks(self.model, caches, self.ids, chunk=self.chunk)
         quality = score_chunks(chunks, self.logprobs, self.targets)
         if self.on_run is not None:
@@ -193,10 +199,11 @@ def _split(tokenizer, text: str, config: CalibrationConfig) -> _Split:
                   text_token_ids(tokenizer, second, config.heldout_tokens + 1, what="the text's second half"))
 
 
-def _caches(model: nn.Module, scheme: str, num_tokens: int) -> list:
-    return make_layer_caches(model, CacheOptions(scheme=scheme, max_context=num_tokens))
+def _caches(model: nn.Module, scheme: str, num_tokens: int, key_means: KeyMeans | None = None) -> list:
+    return make_layer_caches(model, CacheOptions(scheme=scheme, max_context=num_tokens, key_means=key_means))
 
 
-def _mean_kl(model, scheme: str, ids: list[int], reference: list[KLReference], chunk: int) -> float:
-    chunks = logprob_chunks(model, _caches(model, scheme, len(ids)), ids, chunk=chunk)
+def _mean_kl(model, scheme: str, ids: list[int], reference: list[KLReference], chunk: int,
+             key_means: KeyMeans | None) -> float:
+    chunks = logprob_chunks(model, _caches(model, scheme, len(ids), key_means), ids, chunk=chunk)
     return sum(float(ref.kl(lp).sum()) for ref, lp in zip(reference, chunks)) / len(ids)

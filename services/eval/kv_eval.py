@@ -8,6 +8,7 @@ import mlx.nn as nn
 import numpy as np
 
 from services.engine.cache import CacheOptions, make_layer_caches, model_dtype
+from services.engine.cache.centering import KeyMeans
 from services.engine.cache.report import bits_per_element
 
 from .corpus import corpus_token_ids, prompt_token_ids
@@ -30,6 +31,7 @@ class EvalConfig:
     recall_filler_tokens: int = 1500  # filler between a fact and its question (tokens)
     recall_window: int = 256  # window of the windowed recall answers (tokens, sinks included)
     recall_max_new: int = 8  # most answer tokens (a five-digit key is six: a space and one token per digit)
+    key_means: KeyMeans | None = None  # compressed layers' keys centered on these (`cache.centering`), or stored as they come
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +119,7 @@ def _recall(model: nn.Module, tokenizer, scheme: str, config: EvalConfig, prompt
         return None
     raw_answers = None if raw is None else [a.token_ids for a in raw.full]
     return recall(model, tokenizer, prompts, scheme, window_size=config.recall_window, max_new=config.recall_max_new,
-                  chunk=config.chunk, raw_layers=config.raw_layers, raw_answers=raw_answers)
+                  chunk=config.chunk, raw_layers=config.raw_layers, raw_answers=raw_answers, key_means=config.key_means)
 
 
 def score_chunks(chunks, reference: list[np.ndarray], targets: np.ndarray) -> Quality:
@@ -140,4 +142,5 @@ def score_chunks(chunks, reference: list[np.ndarray], targets: np.ndarray) -> Qu
 
 def _caches(model: nn.Module, scheme: str, config: EvalConfig) -> list:
     context = max(config.num_tokens, config.prompt_tokens + config.max_new)
-    return make_layer_caches(model, CacheOptions(scheme=scheme, max_context=context, raw_layers=config.raw_layers))
+    return make_layer_caches(model, CacheOptions(scheme=scheme, max_context=context, raw_layers=config.raw_layers,
+                                                 key_means=config.key_means))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import mlx.nn as nn
 
 from services.engine.cache import CacheOptions, Window, make_layer_caches
+from services.engine.cache.centering import KeyMeans
 
 from .corpus import LEE_CORPUS, split_halves, text_token_ids
 from .metrics import greedy_tokens
@@ -112,10 +113,11 @@ def _prompt(tokenizer, fact: RecallFact, filler: list[int]) -> RecallPrompt:
 
 
 def answer_tokens(model: nn.Module, tokenizer, prompt: RecallPrompt, scheme: str, *, window: Window | None,
-                  max_new: int, chunk: int, raw_layers: frozenset[int] = frozenset()) -> list[int]:
+                  max_new: int, chunk: int, raw_layers: frozenset[int] = frozenset(),
+                  key_means: KeyMeans | None = None) -> list[int]:
     """Greedy answer of `prompt` under `scheme` (and `window`), cut before the first EOS (tokens)."""
     options = CacheOptions(scheme=scheme, max_context=len(prompt.token_ids) + max_new, window=window,
-                           raw_layers=raw_layers)
+                           raw_layers=raw_layers, key_means=key_means)
     caches = make_layer_caches(model, options)
     tokens = greedy_tokens(model, caches, prompt.token_ids, max_new=max_new, chunk=chunk)
     eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -124,7 +126,7 @@ def answer_tokens(model: nn.Module, tokenizer, prompt: RecallPrompt, scheme: str
 
 def recall(model: nn.Module, tokenizer, prompts: list[RecallPrompt], scheme: str, *, window_size: int,
            max_new: int, chunk: int, raw_layers: frozenset[int] = frozenset(),
-           raw_answers: list[tuple[int, ...]] | None = None) -> RecallResult:
+           raw_answers: list[tuple[int, ...]] | None = None, key_means: KeyMeans | None = None) -> RecallResult:
     """Answer every prompt under `scheme`, full and windowed, and compare with raw's answers.
 
     Args:
@@ -138,6 +140,7 @@ def recall(model: nn.Module, tokenizer, prompts: list[RecallPrompt], scheme: str
         raw_layers (frozenset[int]): Layers kept raw whatever the scheme.
         raw_answers (list[tuple[int, ...]] | None): The raw full cache's answers, per prompt
             (`None`: this run is raw's, and its full answers are the reference).
+        key_means (KeyMeans | None): Center compressed layers' keys on these (`cache.centering`).
 
     Returns:
         RecallResult: Answers per prompt.
@@ -147,7 +150,7 @@ def recall(model: nn.Module, tokenizer, prompts: list[RecallPrompt], scheme: str
     """
     def answer(prompt: RecallPrompt, window: Window | None) -> list[int]:
         return answer_tokens(model, tokenizer, prompt, scheme, window=window, max_new=max_new, chunk=chunk,
-                             raw_layers=raw_layers)
+                             raw_layers=raw_layers, key_means=key_means)
 
     check_window(prompts, window_size)
     windows = [Window(window_size, p.fact_tokens) for p in prompts]

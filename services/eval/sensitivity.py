@@ -23,6 +23,7 @@ import numpy as np
 from kernels.aura import SCHEME_MIN_BITS
 from kernels.lloyd_max import MAX_BITS
 from services.engine.cache import CacheOptions, KVCache, make_layer_caches
+from services.engine.cache.centering import KeyMeans
 
 from .metrics import KLReference, logprob_chunks
 from .replay import RecordedRun
@@ -106,8 +107,8 @@ class OneLayerRuns:
         chunk (int): Tokens per forward (tokens).
     """
 
-    def __init__(self, model: nn.Module, token_ids: list[int], *, chunk: int):
-        self.model, self.token_ids, self.chunk = model, token_ids, chunk
+    def __init__(self, model: nn.Module, token_ids: list[int], *, chunk: int, key_means: KeyMeans | None = None):
+        self.model, self.token_ids, self.chunk, self.key_means = model, token_ids, chunk, key_means
         self.run = RecordedRun(model, self._caches("raw"), token_ids, chunk=chunk)
         self.reference = [KLReference.from_logprobs(lp) for lp in self.run.logprobs]
         self.run.logprobs.clear()
@@ -124,7 +125,8 @@ class OneLayerRuns:
             return self._mean_kl(logprob_chunks(self.model, fresh, self.token_ids, chunk=self.chunk))
 
     def _caches(self, scheme: str) -> list:
-        return make_layer_caches(self.model, CacheOptions(scheme=scheme, max_context=len(self.token_ids)))
+        return make_layer_caches(self.model, CacheOptions(scheme=scheme, max_context=len(self.token_ids),
+                                                          key_means=self.key_means))
 
     def _mean_kl(self, chunks) -> float:
         return sum(float(ref.kl(lp).sum()) for ref, lp in zip(self.reference, chunks)) / len(self.token_ids)
@@ -133,6 +135,7 @@ class OneLayerRuns:
 def measure_sensitivity(
     model: nn.Module, token_ids: list[int], *, chunk: int, widths: tuple[int, ...] = WIDTHS,
     whole: tuple[str, ...] = WHOLE_SCHEMES, on_run: Callable[[str], None] | None = None,
+    key_means: KeyMeans | None = None,
 ) -> Sensitivity:
     """Compress one layer at a time and measure the mean KL against the raw cache.
 
@@ -146,6 +149,7 @@ def measure_sensitivity(
         widths (tuple[int, ...]): Candidate widths, each in 2..10.
         whole (tuple[str, ...]): Whole-layer schemes to measure too (`measure_whole`).
         on_run (Callable[[str], None] | None): Called with each scheme spec after its run.
+        key_means (KeyMeans | None): Center compressed layers' keys on these (`cache.centering`).
 
     Returns:
         Sensitivity: Over every attention layer.
@@ -154,7 +158,7 @@ def measure_sensitivity(
         ValueError: a width outside 2..10, or an unknown whole-layer scheme.
     """
     check_widths(widths)
-    runs = OneLayerRuns(model, token_ids, chunk=chunk)
+    runs = OneLayerRuns(model, token_ids, chunk=chunk, key_means=key_means)
     layers = attention_layers(model)
     key_kl, value_kl = [], []
     for layer in layers:

@@ -62,7 +62,7 @@ from .state_pool import StatePool, StateSpec, probe_state_specs
 
 
 def layer_specs(model: nn.Module, options: CacheOptions) -> list[tuple]:
-    """Per attention layer (key part, value part, window, geometry), translated as `make_layer_caches` does.
+    """Per attention layer (key part, value part, window, geometry, key mean), translated as `make_layer_caches` does.
 
     Recurrent layers are skipped (they keep state, not pages: see `CacheLayout`).
 
@@ -70,7 +70,7 @@ def layer_specs(model: nn.Module, options: CacheOptions) -> list[tuple]:
         ValueError: an unknown scheme, a cache kind we do not translate, or a scheme that cannot
             store a layer's widths.
     """
-    return [(c.key, c.value, c.window, c.geometry) for c in leaf_caches(make_layer_caches(model, options))
+    return [(c.key, c.value, c.window, c.geometry, c.key_mean) for c in leaf_caches(make_layer_caches(model, options))
             if isinstance(c, KVCache)]
 
 
@@ -83,9 +83,10 @@ class BatchedKVCache:
     """K/V storage of many sequences in fixed-size pages, one `SlotTable` for all layers.
 
     Args:
-        layers (Sequence[tuple[PartFormat, PartFormat, Window | None, LayerGeometry]]): Per
-            attention layer: its parts, window and geometry (widths may differ between layers
-            and between keys and values; the number of kv heads may not).
+        layers (Sequence[tuple[PartFormat, PartFormat, Window | None, LayerGeometry, mx.array | None]]): Per
+            attention layer: its parts, window, geometry (widths may differ between layers
+            and between keys and values; the number of kv heads may not) and, optionally, the mean its
+            keys are stored centered on (`centering`).
         capacity_tokens (int): Tokens of storage, rounded down to whole pages.
         page_size (int): Tokens per page. Default: 16.
         max_slots (int): Sequences held at once. Default: 64.
@@ -120,10 +121,12 @@ class BatchedKVCache:
                              f"layers for {len(layers)} and {len(states)} (at least one attention layer)")
         if page_size < 1 or capacity_tokens < page_size:
             raise ValueError(f"capacity_tokens {capacity_tokens} must hold at least one page of {page_size} tokens")
-        heads = sorted({g.n_kv_heads for *_, g in layers})
+        layers = [tuple(layer) + (None,) * (5 - len(layer)) for layer in layers]  # the key mean is optional
+        heads = sorted({layer[3].n_kv_heads for layer in layers})
         if len(heads) != 1:
             raise ValueError(f"layers store {heads} kv heads per token; BatchedKVCache needs one count for every layer")
-        self.layers = tuple(LayerSpec(LayerFormat(k, v, g.key_dim, g.value_dim), w, g.latent) for k, v, w, g in layers)
+        self.layers = tuple(LayerSpec(LayerFormat(k, v, g.key_dim, g.value_dim), w, g.latent, mean)
+                            for k, v, w, g, mean in layers)
         n_kv_heads = self.n_kv_heads = heads[0]
         num_pages = capacity_tokens // page_size
         rows = num_pages * n_kv_heads * page_size

@@ -8,9 +8,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 
+from .centering import KeyMeans
 from .geometry import probe_geometry
 from .kv import KVCache
-from .recurrent import CacheGroup, RecurrentStateCache
+from .recurrent import CacheGroup, RecurrentStateCache, leaf_caches
 from .schemes import layer_parts, parse_layer_overrides
 from .window import Window
 
@@ -24,12 +25,15 @@ class CacheOptions:
         max_context (int): Context cap per sequence (tokens).
         window (Window | None): User sliding window with sinks, composed with architectural ones.
         raw_layers (frozenset[int]): Layers kept raw whatever the scheme.
+        key_means (KeyMeans | None): Center the keys of compressed layers on these means (`centering`);
+            None: keys are stored as they come.
     """
 
     scheme: str = "raw"
     max_context: int = 8192
     window: Window | None = None
     raw_layers: frozenset[int] = field(default_factory=frozenset)
+    key_means: KeyMeans | None = None
 
 
 def model_dtype(model: nn.Module) -> mx.Dtype:
@@ -58,8 +62,16 @@ def make_layer_caches(model: nn.Module, options: CacheOptions) -> list:
     template = _template(model)
     geometries = probe_geometry(model, _template(model))
     dtype = model_dtype(model)
-    return [_translate(proto, geometry, layer, options, dtype) for layer, (proto, geometry)
-            in enumerate(zip(template, geometries))]
+    caches = [_translate(proto, geometry, layer, options, dtype) for layer, (proto, geometry)
+              in enumerate(zip(template, geometries))]
+    if options.key_means is not None:
+        layers = [c for c in leaf_caches(caches) if isinstance(c, KVCache)]
+        means = options.key_means.means
+        if len(layers) != len(means):
+            raise ValueError(f"key means for {len(means)} attention layers, the model has {len(layers)}")
+        for cache, mean in zip(layers, means):
+            cache.key_mean = None if cache.fmt is None or cache.fmt.is_raw else mean
+    return caches
 
 
 def _translate(proto, geometry, layer: int, options: CacheOptions, dtype: mx.Dtype):

@@ -75,6 +75,7 @@ class KVCache(AttendingCache):
         self._store: tuple[mx.array, ...] | None = None  # per pool [H, B, capacity, width]
         self._batch = self._heads = self._row_pages = 0
         self._update: _Update | None = None
+        self.key_mean: mx.array | None = None  # keys are stored centered on it (`centering`); set by the factory
 
     # -- sizes -----------------------------------------------------------------
 
@@ -137,7 +138,7 @@ class KVCache(AttendingCache):
                              f"got {key_dim} and {values.shape[-1]}")
         if self._store is None:
             self._batch, self._heads = batch, heads
-        new = pool_rows.encode(self.fmt, keys, values)
+        new = pool_rows.encode(self.fmt, keys, values, self.key_mean)
         window, history = self.window, None
         if window is None or start + num_new <= window.max_size:
             self._write(start, new)

@@ -25,11 +25,13 @@ from .window import Window
 
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
-    """One attention layer's storage format, window (`None`: full attention) and kind (latent: MLA)."""
+    """One attention layer's storage format, window (`None`: full attention), kind (latent: MLA) and the
+    mean its keys are stored centered on (`centering`; None: as they come)."""
 
     fmt: LayerFormat
     window: Window | None = None
     latent: bool = False
+    key_mean: mx.array | None = None
 
     @property
     def rule(self) -> WindowRule | None:
@@ -145,7 +147,7 @@ class PagedLayerCache(AttendingCache):
         index = self.index
         if keys.shape[0] != index.batch or keys.shape[2] != index.num_new:
             raise ValueError(f"planned for {index.batch} rows of {index.num_new} tokens, got keys {keys.shape}")
-        self._new = pool_rows.encode(self.spec.fmt, keys, values)
+        self._new = pool_rows.encode(self.spec.fmt, keys, values, self.spec.key_mean)
         pools = (self.storage if self.tail is None else self.tail).pools
         pools[self.layer] = pool_rows.write(pools[self.layer], index.write_rows, self._new, index.write_source)
         if self.spec.latent:

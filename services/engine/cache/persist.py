@@ -89,8 +89,12 @@ def _describe(cache, name: str, arrays: dict) -> dict:
         raise ValueError(f"{name}: cannot save a {type(cache).__name__}")
     state = list(cache.state)
     arrays |= {f"{name}.{j}": a for j, a in enumerate(state) if a is not None}
-    return {"class": type(cache).__name__, "meta_state": cache.meta_state, "num_arrays": len(state),
-            "present": [a is not None for a in state]}
+    entry = {"class": type(cache).__name__, "meta_state": cache.meta_state, "num_arrays": len(state),
+             "present": [a is not None for a in state]}
+    if getattr(cache, "key_mean", None) is not None:  # centered keys: later keys must be centered alike
+        arrays[f"{name}.key_mean"] = cache.key_mean
+        entry["key_mean"] = True
+    return entry
 
 
 def _rebuild(entry: dict, name: str, arrays: dict):
@@ -100,7 +104,9 @@ def _rebuild(entry: dict, name: str, arrays: dict):
     state = [arrays[f"{name}.{j}"] if present else None for j, present in enumerate(entry["present"])]
     meta = entry["meta_state"]
     if kind == "KVCache":
-        return _rebuild_kv(meta, state)
+        cache = _rebuild_kv(meta, state)
+        cache.key_mean = arrays[f"{name}.key_mean"] if entry.get("key_mean") else None
+        return cache
     if kind == "RecurrentStateCache":
         cache = RecurrentStateCache(int(meta["num_arrays"]))
         cache.state, cache.offset = state, int(meta["offset"])

@@ -15,6 +15,8 @@ from kernels.cuda_kv import encode_rows
 from kernels.kv_format import LayerFormat
 from kernels.paged_attention import uses_cuda
 
+from .centering import center
+
 
 def flat_rows(page_table: np.ndarray, slots: np.ndarray, *, n_kv_heads: int, num_pages: int,
               page_size: int) -> np.ndarray:
@@ -24,11 +26,14 @@ def flat_rows(page_table: np.ndarray, slots: np.ndarray, *, n_kv_heads: int, num
     return (heads * num_pages + pages[:, None, :]) * page_size + (slots % page_size)[:, None, :]
 
 
-def encode(fmt: LayerFormat, keys: mx.array, values: mx.array) -> tuple[mx.array, ...]:
-    """Pool rows [B, H, L, width] of new K/V [B, H, L, D]: the CUDA encoder where it runs, else MLX ops."""
+def encode(fmt: LayerFormat, keys: mx.array, values: mx.array, key_mean: mx.array | None = None) -> tuple[mx.array, ...]:
+    """Pool rows [B, H, L, width] of new K/V [B, H, L, D]: the CUDA encoder where it runs, else MLX ops.
+
+    `key_mean` (float32 [H, 1, D], or None): keys are stored centered on it (`centering`).
+    """
     if not fmt.is_raw and uses_cuda(fmt):
-        return (encode_rows(fmt, keys, values),)
-    return fmt.encode(keys, values)
+        return (encode_rows(fmt, keys, values, key_mean),)
+    return fmt.encode(center(keys, key_mean), values)
 
 
 def write(pools: tuple[mx.array, ...], rows: mx.array, new: tuple[mx.array, ...],

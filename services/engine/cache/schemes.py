@@ -146,7 +146,7 @@ def bytes_per_token(scheme: str, *, model) -> int:
     from .factory import CacheOptions
 
     return sum(LayerFormat(k, v, g.key_dim, g.value_dim).bytes_per_row * g.n_kv_heads
-               for k, v, _, g in layer_specs(model, CacheOptions(scheme=scheme)))
+               for k, v, _, g, _ in layer_specs(model, CacheOptions(scheme=scheme)))
 
 
 def part_from_meta(meta: dict[str, str]) -> PartFormat:
