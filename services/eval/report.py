@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from .kv_eval import EvalConfig, SchemeResult
 from .recall import FACTS, RecallAnswer, RecallResult
@@ -10,7 +10,9 @@ from .recall import FACTS, RecallAnswer, RecallResult
 
 def results_dict(results: list[SchemeResult], config: EvalConfig, *, model: str, dtype: str) -> dict:
     """Everything measured, plus the run's settings (JSON-serialisable)."""
-    settings = asdict(config) | {"raw_layers": sorted(config.raw_layers), "schemes": list(config.schemes)}
+    settings = {k: v for k, v in asdict(replace(config, key_means=None)).items() if k != "key_means"}
+    settings |= {"raw_layers": sorted(config.raw_layers), "schemes": list(config.schemes),
+                 "center_keys": config.key_means is not None}
     facts = [asdict(f) for f in FACTS[: config.recall_keys]]
     return {"model": model, "dtype": dtype, "corpus": "lee_background.cor", "settings": settings,
             "recall_keys": facts, "results": [_row(r) for r in results]}
