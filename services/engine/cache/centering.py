@@ -2,14 +2,15 @@
 
 Every query's scores over one sequence move by the same constant, `q . mu`, so softmax, and with it
 attention, is unchanged exactly. The stored vectors lose their shared component, and with it most of
-their energy: on the default model, held-out post-RoPE keys keep 0.42–0.71 of it per layer. Every
+their energy: on the default model, held-out post-RoPE keys keep 0.33–0.58 of it per layer. Every
 codec's error scales with that energy (AURA quantizes the unit direction and stores the norm), so
-centering lowers the KL of each compressed scheme: aura4v4 0.051 -> 0.031 on 256 held-out Lee tokens.
+centering lowers the KL of the compressed schemes: aura4v4 0.053 -> 0.033 on 1,024 held-out Lee
+tokens, −10 to −38% for the others whose error is not all in their values (`ops/centering_gain.py`).
 
 Keys only. Values could be centered too (the weights sum to one, so adding `mu_v` back to the output
 is exact), and their energy falls to 0.75–0.97, but measured KL rose (aura4v4 with centered keys
-0.031 -> 0.042): the tokens attention weighs most, the attention sinks, carry small values that
-centering makes large. Layers with learned attention sinks (the sink logit does not move with the
+0.031 -> 0.042 on 256 tokens): the tokens attention weighs most, the attention sinks, carry small
+values that centering makes large. Layers with learned attention sinks (the sink logit does not move with the
 scores) and latent (MLA) layers, whose model reads the slots back, keep their keys as they are.
 
 Source: Zhang et al., "SageAttention: Accurate 8-bit attention for plug-and-play inference
