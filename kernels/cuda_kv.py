@@ -24,7 +24,7 @@ from kernels.lloyd_max import lloyd_max_thresholds
 MODES = {RAW: 0, AFFINE: 1, AURA: 2}
 NUM_SMS = 132  # H200; only sizes the split count
 _LOG2E = math.log2(math.e)
-_SHARED_ACC_BYTES = 40 * 1024  # partial kernel: per-block merge buffer, E x G x D floats
+_STATIC_SHARED_BYTES = 48 * 1024  # a kernel's static shared memory at most (CUDA)
 _ENCODE_WARPS = 4  # vectors encoded per block of the encoder (one warp each; `sidx_all` in its source)
 _COMBINE_THREADS = 512  # the combine kernel's block at most (`NT` in its source)
 _MAX_SPLIT_PAGES = 256  # pages one split walks at most (its page ids sit in shared memory: `MAXPG`)
@@ -192,7 +192,8 @@ def decode_attention(
     tuning = tuning or default_tuning(fmt, batch * n_kv_heads)
     lanes = head_dim // _dims_per_lane(fmt, tuning.dims_per_lane)
     per_split, splits = _split_plan(page_table.shape[1] * page_size, batch, n_kv_heads, page_size, tuning.waves)
-    warps = max(1, min(tuning.warps, _SHARED_ACC_BYTES // (group * (32 // lanes) * head_dim * 4)))
+    warps = _partial_warps(fmt, group, lanes, tuning.warps)
+    assert per_split <= _MAX_SPLIT_PAGES * page_size, "the partial kernel holds a split's page ids in shared memory"
     rotate = fmt.key.kind == AURA
     q_scale = scale * _LOG2E / (math.sqrt(head_dim) if rotate else 1.0)
     cb, _ = _tables(fmt)
@@ -222,6 +223,15 @@ def decode_attention(
         output_dtypes=[queries.dtype],
     )
     return out
+
+
+def _partial_warps(fmt: LayerFormat, group: int, lanes: int, wanted: int) -> int:
+    """`wanted`, cut so the partial kernel's static shared memory fits (`PARTIAL`'s arrays): the query
+    `qs[G*D]`, codebooks `cbs[512]` (AURA), page ids `pids[MAXPG]`, and per softmax state (32 / lanes a
+    warp) the merge rows `sm_acc[G][D]` plus `sm_m[G]`, `sm_l[G]`, all 4 bytes each."""
+    fixed = 4 * (group * fmt.head_dim + (512 if AURA in (fmt.key.kind, fmt.value.kind) else 1) + _MAX_SPLIT_PAGES)
+    per_warp = 4 * (32 // lanes) * group * (fmt.head_dim + 2)
+    return max(1, min(wanted, (_STATIC_SHARED_BYTES - fixed) // per_warp))
 
 
 def _dims_per_lane(fmt: LayerFormat, wanted: int) -> int:

@@ -31,7 +31,7 @@ class ModelSettings(BaseSettings):
     kv_raw_layers: tuple[int, ...] = ()  # layer indices kept raw under a compressed scheme
     kv_window_size: int | None = Field(default=None, ge=2)  # tokens per layer, sinks included
     kv_window_keep: int = Field(default=4, ge=0)  # attention sinks pinned under a window
-    kv_center_keys: bool = True  # compressed layers store keys centered on their mean (attention unchanged; less error)
+    no_kv_center_keys: bool = False  # store compressed keys as they come (default: centered on their mean, `centering`)
     max_context: int | None = Field(default=None, ge=1)  # tokens; default: the model's advertised window
     prefill_chunk: int = Field(default=512, ge=1)  # tokens per prefill forward
     log_json: bool = False

@@ -83,7 +83,7 @@ def test_batched_cache_layers_carry_the_means(tiny_llama):
 def test_engine_options_center_compressed_keys_unless_told_not_to(default_model):
     centered = cache_options(ModelSettings(kv_cache="aura4v4"), default_model)
     assert centered.key_means is not None and len(centered.key_means.means) == 30
-    assert cache_options(ModelSettings(kv_cache="aura4v4", kv_center_keys=False), default_model).key_means is None
+    assert cache_options(ModelSettings(kv_cache="aura4v4", no_kv_center_keys=True), default_model).key_means is None
     assert cache_options(ModelSettings(kv_cache="raw"), default_model).key_means is None
 
 
@@ -110,8 +110,11 @@ def test_cli_flag_turns_centering_off():
 
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)
-    assert settings_from_args(parser.parse_args([])).kv_center_keys is True
-    assert settings_from_args(parser.parse_args(["--no-kv-center-keys"])).kv_center_keys is False
+    assert settings_from_args(parser.parse_args([])).no_kv_center_keys is False
+    assert settings_from_args(parser.parse_args(["--no-kv-center-keys"])).no_kv_center_keys is True
+    from services.commands.serve import child_flags  # what `serve` hands each engine
+
+    assert child_flags({"no_kv_center_keys": True}) == ["--no-kv-center-keys"]
 
 
 def test_saved_cache_keeps_its_key_means(tiny_llama, tmp_path):

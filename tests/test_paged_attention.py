@@ -411,3 +411,13 @@ def test_cuda_encoder_matches_mlx_ops_encoder(scheme, head_dim, centered):
     assert np.mean(got[..., : fmt.meta_offset] == want[..., : fmt.meta_offset]) > 0.99
     np.testing.assert_allclose(got_k, want_k, atol=0.05 * np.abs(want_k).max())
     np.testing.assert_allclose(got_v, want_v, atol=0.05 * np.abs(want_v).max())
+
+
+def test_partial_kernel_warps_fit_static_shared_memory():
+    """aura4v4, head_dim 256, GQA 5, 16 dims per lane (16 lanes, 2 states a warp): 4 warps would need
+    40960 (sm_acc) + 5120 (qs) + 2048 (cbs) + 1024 (pids) + 320 (sm_m, sm_l) = 49472 bytes > 48 KiB,
+    3 warps 39152. llama's and qwen3's shapes keep their 4."""
+    fmt = layer_format("aura4v4", 256)
+    assert cuda_kv._partial_warps(fmt, 5, 16, 4) == 3
+    assert cuda_kv._partial_warps(layer_format("raw", 64), 4, 8, 4) == 4
+    assert cuda_kv._partial_warps(layer_format("affine4", 128), 2, 8, 4) == 4

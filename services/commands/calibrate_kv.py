@@ -141,7 +141,7 @@ def load_sensitivity(path: Path, source: dict):
 
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
-        saved, table = report["source"], report["sensitivity"]
+        saved, table = {"center_keys": False} | report["source"], report["sensitivity"]  # older: keys as they came
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path} is not a calibrate_kv.json ({exc})") from None
     if saved != source:

@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="window of the windowed recall answers, tokens incl. the fact's sinks (default 256)")
     parser.add_argument("--no-center-keys", dest="center_keys", action="store_false",
                         help="store compressed keys as they come (default: centered on the model's mean keys, "
-                             "measured as the engine does)")
+                             "measured as the engine does, on the first 512 Lee tokens: inside the scored span; "
+                             "ops/centering_gain.py measures held out)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
 
 

@@ -21,7 +21,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-raw-layers", type=lambda s: tuple(int(x) for x in s.split(",") if x), help="comma-separated layers kept raw, e.g. 0,29")
     parser.add_argument("--kv-window-size", type=int, help="sliding window per layer, in tokens (sinks included)")
     parser.add_argument("--kv-window-keep", type=int, help="attention-sink tokens pinned under a window (default 4)")
-    parser.add_argument("--no-kv-center-keys", dest="kv_center_keys", action="store_false", default=None,
+    parser.add_argument("--no-kv-center-keys", dest="no_kv_center_keys", action="store_true", default=None,
                         help="store compressed keys as they come (default: centered on each layer's mean key, "
                              "which leaves attention exactly as it is and lowers the codecs' error)")
     parser.add_argument("--max-context", type=int, help="context cap in tokens (default: the model's advertised window)")

@@ -18,7 +18,7 @@ from .model.loader import LoadedModel, load_model
 def cache_options(settings: ModelSettings, loaded: LoadedModel) -> CacheOptions:
     """Validate the cache settings against the model and freeze them.
 
-    With `kv_center_keys` (the default) and a compressed scheme, the options carry the model's mean
+    Unless `no_kv_center_keys`, with a compressed scheme the options carry the model's mean
     keys (`default_key_means`: one raw prefill of 512 tokens; needs the tokenizer, so a model loaded
     without one stores its keys as they come).
 
@@ -51,7 +51,7 @@ def cache_options(settings: ModelSettings, loaded: LoadedModel) -> CacheOptions:
         make_layer_caches(loaded.model, options)
     except ValueError as exc:
         raise BadRequest(f"--kv-cache: {exc}") from exc
-    if settings.kv_center_keys and options.scheme != "raw" and loaded.tokenizer is not None:  # it reads the text
+    if not settings.no_kv_center_keys and options.scheme != "raw" and loaded.tokenizer is not None:  # it reads the text
         options = replace(options, key_means=default_key_means(loaded))
     return options
 

@@ -10,7 +10,8 @@ from .recall import FACTS, RecallAnswer, RecallResult
 
 def results_dict(results: list[SchemeResult], config: EvalConfig, *, model: str, dtype: str) -> dict:
     """Everything measured, plus the run's settings (JSON-serialisable)."""
-    settings = {k: v for k, v in asdict(replace(config, key_means=None)).items() if k != "key_means"}
+    settings = asdict(replace(config, key_means=None))
+    del settings["key_means"]
     settings |= {"raw_layers": sorted(config.raw_layers), "schemes": list(config.schemes),
                  "center_keys": config.key_means is not None}
     facts = [asdict(f) for f in FACTS[: config.recall_keys]]

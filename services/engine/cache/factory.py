@@ -70,7 +70,7 @@ def make_layer_caches(model: nn.Module, options: CacheOptions) -> list:
         if len(layers) != len(means):
             raise ValueError(f"key means for {len(means)} attention layers, the model has {len(layers)}")
         for cache, mean in zip(layers, means):
-            cache.key_mean = None if cache.fmt is None or cache.fmt.is_raw else mean
+            cache.key_mean = None if cache.fmt is None or cache.fmt.is_raw or cache.latent else mean
     return caches
 
 

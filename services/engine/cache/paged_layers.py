@@ -7,7 +7,7 @@ own or the placeholders `mx.compile` traces with: nothing here keeps state acros
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -31,7 +31,7 @@ class LayerSpec:
     fmt: LayerFormat
     window: Window | None = None
     latent: bool = False
-    key_mean: mx.array | None = None
+    key_mean: mx.array | None = field(default=None, repr=False, compare=False)  # one engine has one set
 
     @property
     def rule(self) -> WindowRule | None:
