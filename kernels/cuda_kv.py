@@ -83,8 +83,8 @@ def _layout_args(fmt: LayerFormat) -> list[tuple[str, object]]:
 def encode_rows(fmt: LayerFormat, keys: mx.array, values: mx.array, key_mean: mx.array | None = None) -> mx.array:
     """Encode K and V [B, H, L, D] (any strides) into compressed rows uint32 [B, H, L, row_words].
 
-    `key_mean` (float32 [H, 1, D], or None): subtracted from every key in float32 before it is encoded
-    (`services.engine.cache.centering`), with no launch of its own.
+    `key_mean` (float32 [H, 1, D], row-contiguous, or None): subtracted from every key in float32 before
+    it is encoded (`services.engine.cache.centering`), with no launch of its own.
 
     Same codes as `LayerFormat.encode` (affine: identical; AURA: identical up to float rounding
     of the rotation, which can move a coordinate that sits on a threshold to its neighbour cell).
@@ -102,7 +102,7 @@ def encode_rows(fmt: LayerFormat, keys: mx.array, values: mx.array, key_mean: mx
     odd = (fmt.key_meta_halves + fmt.value_meta_halves) % 2
     (rows,) = _kernels()["encode"](
         inputs=[keys, values, _signs(fmt.key, head_dim), _signs(fmt.value, head_dim), cb, thr,
-                _constant((0.0,), mx.float32) if key_mean is None else key_mean.astype(mx.float32).reshape(-1)],
+                _constant((0.0,), mx.float32) if key_mean is None else key_mean],
         template=[("T", keys.dtype), ("D", head_dim), *_part_args("K", fmt.key), *_part_args("V", fmt.value),
                   *_layout_args(fmt), ("PADMETA", bool(odd)), ("CENTER", key_mean is not None)],
         grid=(-(-batch * heads * length // _ENCODE_WARPS) * 32 * _ENCODE_WARPS, 1, 1),

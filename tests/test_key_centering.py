@@ -131,3 +131,23 @@ def test_saved_cache_keeps_its_key_means(tiny_llama, tmp_path):
     for token in (5, 77, 3):
         want = tiny_llama(mx.array([[token]]), cache=caches)
         np.testing.assert_array_equal(np.array(tiny_llama(mx.array([[token]]), cache=loaded)), np.array(want))
+
+
+def test_layers_with_learned_sinks_keep_their_keys():
+    """gpt-oss passes sink logits to attention: the sink does not shift with the scores, so its layers are
+    not centered (the geometry probe records it)."""
+    from services.engine import attention
+
+    attention.install()
+    from mlx_lm.models import gpt_oss
+
+    args = gpt_oss.ModelArgs(num_hidden_layers=2, num_local_experts=2, num_experts_per_tok=1, vocab_size=64,
+                             hidden_size=64, intermediate_size=64, head_dim=32, num_attention_heads=4,
+                             num_key_value_heads=2, sliding_window=8)  # one sliding layer, one full
+    model = gpt_oss.Model(args)
+    means = KeyMeans(tuple(mx.zeros((2, 1, 32)) for _ in range(2)))
+    caches = make_layer_caches(model, CacheOptions(scheme="aura4v4", max_context=16, key_means=means))
+    assert [c.geometry.sinks for c in caches] == [True, True]
+    assert [c.key_mean for c in caches] == [None, None]
+    tiny = make_layer_caches(make_tiny_llama(), CacheOptions(scheme="aura4v4"))
+    assert [c.geometry.sinks for c in tiny] == [False, False]

@@ -85,8 +85,8 @@ class BatchedKVCache:
     Args:
         layers (Sequence[tuple[PartFormat, PartFormat, Window | None, LayerGeometry, mx.array | None]]): Per
             attention layer: its parts, window, geometry (widths may differ between layers
-            and between keys and values; the number of kv heads may not) and, optionally, the mean its
-            keys are stored centered on (`centering`).
+            and between keys and values; the number of kv heads may not) and the mean its keys are
+            stored centered on (`centering`; None: as they come), as `layer_specs` gives them.
         capacity_tokens (int): Tokens of storage, rounded down to whole pages.
         page_size (int): Tokens per page. Default: 16.
         max_slots (int): Sequences held at once. Default: 64.
@@ -121,8 +121,7 @@ class BatchedKVCache:
                              f"layers for {len(layers)} and {len(states)} (at least one attention layer)")
         if page_size < 1 or capacity_tokens < page_size:
             raise ValueError(f"capacity_tokens {capacity_tokens} must hold at least one page of {page_size} tokens")
-        layers = [tuple(layer) + (None,) * (5 - len(layer)) for layer in layers]  # the key mean is optional
-        heads = sorted({layer[3].n_kv_heads for layer in layers})
+        heads = sorted({g.n_kv_heads for _, _, _, g, _ in layers})
         if len(heads) != 1:
             raise ValueError(f"layers store {heads} kv heads per token; BatchedKVCache needs one count for every layer")
         self.layers = tuple(LayerSpec(LayerFormat(k, v, g.key_dim, g.value_dim), w, g.latent, mean)

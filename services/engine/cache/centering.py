@@ -11,7 +11,8 @@ Keys only. Values could be centered too (the weights sum to one, so adding `mu_v
 is exact), and their energy falls to 0.75–0.97, but measured KL rose (aura4v4 with centered keys
 0.031 -> 0.042 on 256 tokens): the tokens attention weighs most, the attention sinks, carry small
 values that centering makes large. Layers with learned attention sinks (the sink logit does not move with the
-scores) and latent (MLA) layers, whose model reads the slots back, keep their keys as they are.
+scores) and latent (MLA) layers, whose model reads the slots back, keep their keys as they are: the
+factory (`make_layer_caches`) reads both off the layer's probed geometry.
 
 Source: Zhang et al., "SageAttention: Accurate 8-bit attention for plug-and-play inference
 acceleration" (ICLR 2025), section 4.2 ("smooth K").
@@ -29,14 +30,13 @@ CALIBRATION_TOKENS = 512  # tokens of text whose keys give the means
 
 @dataclass(frozen=True, eq=False)
 class KeyMeans:
-    """Per attention layer (the model's `KVCache` leaves, in order), its mean key, or None where the
-    layer keeps its keys (learned sinks, latent).
+    """Per attention layer (the model's `KVCache` leaves, in order), its mean key.
 
     Attributes:
-        means (tuple[mx.array | None, ...]): float32 [n_kv_heads, 1, key_dim] each.
+        means (tuple[mx.array, ...]): float32 [n_kv_heads, 1, key_dim] each, row-contiguous.
     """
 
-    means: tuple[mx.array | None, ...]
+    means: tuple[mx.array, ...]
 
     @classmethod
     def measure(cls, model: nn.Module, token_ids: list[int], *, chunk: int = 256) -> KeyMeans:
@@ -59,15 +59,12 @@ class KeyMeans:
         caches = make_layer_caches(model, CacheOptions(scheme="raw", max_context=len(token_ids)))
         layers = [c for c in leaf_caches(caches) if isinstance(c, KVCache)]
         sums: list[mx.array | None] = [None] * len(layers)
-        has_sinks = [False] * len(layers)
         for i, cache in enumerate(layers):
             cache.update_and_fetch = _summing(cache.update_and_fetch, sums, i)
-            cache.attend = _sink_watch(cache.attend, has_sinks, i)
         tokens = mx.array(token_ids, dtype=mx.uint32)[None]
         for start in range(0, len(token_ids), chunk):
-            mx.eval(model(tokens[:, start : start + chunk], cache=caches), [s for s in sums if s is not None])
-        return cls(tuple(None if (sinks or cache.latent or total is None) else total / len(token_ids)
-                         for cache, total, sinks in zip(layers, sums, has_sinks)))
+            mx.eval(model(tokens[:, start : start + chunk], cache=caches), sums)
+        return cls(tuple(total / len(token_ids) for total in sums))
 
 
 def _summing(update, sums: list, i: int):
@@ -76,13 +73,6 @@ def _summing(update, sums: list, i: int):
         sums[i] = total if sums[i] is None else sums[i] + total
         return update(keys, values)
     return update_and_fetch
-
-
-def _sink_watch(attend, has_sinks: list, i: int):
-    def watched(queries, keys, values, *, scale, mask, sinks=None):
-        has_sinks[i] = has_sinks[i] or sinks is not None
-        return attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    return watched
 
 
 def center(keys: mx.array, mean: mx.array | None) -> mx.array:

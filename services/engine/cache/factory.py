@@ -70,7 +70,8 @@ def make_layer_caches(model: nn.Module, options: CacheOptions) -> list:
         if len(layers) != len(means):
             raise ValueError(f"key means for {len(means)} attention layers, the model has {len(layers)}")
         for cache, mean in zip(layers, means):
-            cache.key_mean = None if cache.fmt is None or cache.fmt.is_raw or cache.latent else mean
+            geometry = cache.geometry
+            cache.key_mean = None if cache.fmt.is_raw or geometry.latent or geometry.sinks else mean
     return caches
 
 

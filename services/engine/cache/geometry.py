@@ -31,12 +31,14 @@ class LayerGeometry:
         value_dim (int): Elements per stored value vector (MLA: `qk_rope_head_dim`).
         latent (bool): Attention runs on operands the model derives from the cache (MLA), so the
             cache returns its decoded slots instead of attending in place.
+        sinks (bool): The layer passes learned attention-sink logits to attention (gpt-oss).
     """
 
     n_kv_heads: int
     key_dim: int
     value_dim: int
     latent: bool = False
+    sinks: bool = False
 
 
 class _Probe(AttendingCache):
@@ -48,6 +50,7 @@ class _Probe(AttendingCache):
         self.shapes: tuple | None = None
         self.returned: tuple = ()
         self.direct: bool | None = None  # attention ran on exactly what update_and_fetch returned
+        self.sinks = False
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self.shapes = (keys.shape[1], keys.shape[-1], values.shape[-1])
@@ -59,12 +62,13 @@ class _Probe(AttendingCache):
 
     def attend(self, queries, keys, values, *, scale: float, mask, sinks=None) -> mx.array:
         self.direct = keys is self.returned[0] and values is self.returned[1]
+        self.sinks = sinks is not None
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def geometry(self) -> LayerGeometry | None:
         if self.shapes is None:
             return None
-        return LayerGeometry(*self.shapes, latent=not self.direct)
+        return LayerGeometry(*self.shapes, latent=not self.direct, sinks=self.sinks)
 
 
 def probe_geometry(model: nn.Module, template: list) -> list:
