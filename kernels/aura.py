@@ -1,11 +1,21 @@
 """AURA: Adaptive Unified Rotated Activations, a per-vector KV-cache code.
 
-TurboQuant-MSE without the QJL residual. Each token vector `x` (length `d`) is rotated,
-`y = Pi x` (`RandomizedHadamard`), normalised to `u = sqrt(d) * y / ||x||` (coordinates
-close to N(0, 1)), and every coordinate is replaced by the index of its nearest
-Lloyd-Max centroid `c`. One scale per vector, `s = ||x|| / ||c[idx]||`, is stored so the
-reconstruction `y_hat = s * c[idx]` (rotated domain) has exactly the norm of `x` (up to the
-float16 rounding of `s`, relative error <= 2**-11).
+TurboQuant-MSE without the QJL residual, as a shape-gain code. Each token vector `x` (length
+`d`) is rotated, `y = Pi x` (`RandomizedHadamard`), normalised to `u = sqrt(d) * y / ||x||`
+(coordinates close to N(0, 1)), and every coordinate of `u / g` is replaced by the index of
+its nearest Lloyd-Max centroid `c`, for the gain `g` of `GAINS` whose codes point closest to
+`u` (largest cos(u, c[idx])). One scale per vector, `s = ||x|| / ||c[idx]||`, is stored so
+the reconstruction `y_hat = s * c[idx]` (rotated domain) has exactly the norm of `x` (up to
+the float16 rounding of `s`, relative error <= 2**-11).
+
+Why the gain search: the codebook is MSE-optimal for the ensemble of coordinates, but one
+vector's `d` coordinates fill its cells unevenly (64 samples rarely reach the outer
+centroids at 4 bits), and the decoder only needs the direction of `c[idx]`. Searching nine
+gains in [0.8, 1.2] (g = 1 among them, so no vector gets worse) cuts the relative error of
+N(0, I) vectors at d = 64 by 2% at 2 bits, 10% at 3, 20% at 4 (float64 Monte Carlo), and the
+held-out KL of aura4v4 on the default model from 0.034 to 0.027. The decoder is unchanged.
+Source of the idea: the scale search of llama.cpp's k-quants (`make_qx_quants`); shape-gain
+quantization (Sabin and Gray, IEEE Trans. ASSP 32(6), 1984).
 
 Stored format per vector: `d * bits` code bits in `ceil(d * bits / 32)` uint32 words (zero
 bits pad the last word when `d * bits % 32 != 0`, e.g. d = 80 at 3 bits), plus one float16
@@ -31,6 +41,7 @@ from kernels.rotation import RandomizedHadamard
 
 SCALE_DTYPE = mx.float16
 SCHEME_MIN_BITS = 2
+GAINS = tuple(0.8 + 0.05 * i for i in range(9))  # the gains searched per vector; 1.0 is GAINS[4]
 _WORD_BITS = 32
 _SCHEME = re.compile(r"aura([1-9]\d*)v([1-9]\d*)")
 
@@ -61,11 +72,6 @@ def packed_words(count: int, bits: int) -> int:
 def aura_codebook(bits: int) -> mx.array:
     """`lloyd_max_codebook(bits)` as a float32 `mx.array` `[2**bits]` (cached)."""
     return mx.array(lloyd_max_codebook(bits), dtype=mx.float32)
-
-
-@functools.lru_cache(maxsize=None)
-def _thresholds(bits: int) -> mx.array:
-    return mx.array(lloyd_max_thresholds(bits), dtype=mx.float32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,12 +146,14 @@ def unpack_bits(packed: mx.array, bits: int, count: int | None = None) -> mx.arr
 
 
 def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> AuraCodes:
-    """Encode every vector along the last axis independently.
+    """Encode every vector along the last axis independently (module docstring: the gain search).
 
-    Computed in float32: `u = sqrt(d) * rotation.forward(x) / ||x||`; `idx` = nearest
-    centroid of `lloyd_max_codebook(bits)`, found as `count(thresholds < u)` with
-    `mx.searchsorted` (ties go to the lower cell); `scale = ||x|| / ||c[idx]||`. A zero
-    vector gets scale 0 (and decodes to zeros).
+    Computed in float32: `u = sqrt(d) * rotation.forward(x) / ||x||`; for each gain `g` in
+    `GAINS`, `idx_g` = nearest centroid of `u / g` in `lloyd_max_codebook(bits)`, i.e.
+    `count(thresholds < u / g)` (ties go to the lower cell), every gain's found by one
+    `mx.searchsorted` over `gain_cells`; the vector keeps the `idx_g` with the largest
+    `(u . c[idx_g])^2 / ||c[idx_g]||^2` (the first gain on a tie); `scale = ||x|| / ||c[idx]||`.
+    A zero vector gets scale 0 (and decodes to zeros).
 
     Args:
         x: `[B, H, L, d]` (any leading shape) float16, bfloat16 or float32 array.
@@ -159,17 +167,50 @@ def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> Aura
     Raises:
         ValueError: If `bits` is outside 1..10 or `d` differs from `rotation.head_dim`.
 
-    Source: CACHES.md "AURA encode / decode"; TurboQuant (arXiv 2504.19874) Algorithm 1.
+    Source: CACHES.md "AURA encode / decode"; TurboQuant (arXiv 2504.19874) Algorithm 1; the
+    gain search as in the module docstring.
     """
     head_dim = x.shape[-1]
     _validate(bits)
     x = x.astype(mx.float32)
     norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
     inverse_norm = mx.where(norm > 0, math.sqrt(head_dim) / norm, 0.0)
-    index = mx.searchsorted(_thresholds(bits), rotation.forward(x) * inverse_norm)
-    centroids = mx.take(aura_codebook(bits), index)
-    scale = norm / mx.sqrt(mx.sum(centroids * centroids, axis=-1, keepdims=True))
+    u = rotation.forward(x) * inverse_norm
+    if u.size == 0:  # no vectors (argmax cannot reduce an empty array)
+        return AuraCodes(mx.zeros((*x.shape[:-1], packed_words(head_dim, bits)), mx.uint32), norm.astype(SCALE_DTYPE))
+    edges, centroids_by_cell, index_by_cell = gain_cells(bits)
+    cell = mx.searchsorted(edges, u)  # [..., d]: one search for every gain at once
+    centroids = mx.take(centroids_by_cell, cell, axis=0)  # [..., d, gains]
+    dot = mx.sum(centroids * u[..., None], axis=-2)  # [..., gains] (not a matmul: CUDA's would round to TF32)
+    energy = mx.sum(centroids * centroids, axis=-2)
+    best = mx.argmax(dot * mx.abs(dot) / energy, axis=-1, keepdims=True)  # [..., 1]
+    index = mx.take(index_by_cell, cell * len(GAINS) + best.astype(mx.uint32))
+    scale = norm / mx.sqrt(mx.take_along_axis(energy, best, axis=-1))
     return AuraCodes(pack_bits(index, bits), scale.astype(SCALE_DTYPE))
+
+
+@functools.lru_cache(maxsize=None)
+def gain_cells(bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Cells of `u` inside which no gain's code changes, so one search serves all of them
+    (here and in the CUDA encoder, which takes these arrays).
+
+    The code of `u` under gain `g` changes only where `u / g` crosses a threshold, i.e. at
+    `u = t * g`. Those edges, sorted, cut the line into cells; within one the codes of every
+    gain are fixed. (Edges are `t * g` in float32, so a coordinate within rounding of one may
+    take its neighbour's code, as the rotation's own rounding can.)
+
+    Returns:
+        `(edges, centroids, index)`: float32 `[E]` sorted edges; float32 `[E + 1, gains]`
+        centroid of each cell under each gain; uint32 `[(E + 1) * gains]` its code index,
+        flat as `cell * gains + gain`.
+    """
+    thresholds = np.array(lloyd_max_thresholds(bits), dtype=np.float32)
+    gains = np.array(GAINS, dtype=np.float32)
+    edges = np.unique(thresholds[None, :] * gains[:, None])
+    inside = np.concatenate([[edges[0] - 1], 0.5 * (edges[:-1] + edges[1:]), [edges[-1] + 1]])  # a point per cell
+    index = np.searchsorted(thresholds, inside[:, None] / gains[None, :])  # [E + 1, gains]
+    codebook = np.array(lloyd_max_codebook(bits), dtype=np.float32)
+    return mx.array(edges), mx.array(codebook[index]), mx.array(index.astype(np.uint32).ravel())
 
 
 def aura_decode_rotated(codes: AuraCodes, *, bits: int, dtype: mx.Dtype, head_dim: int | None = None) -> mx.array:

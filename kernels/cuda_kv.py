@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kernels.aura import aura_codebook
+from kernels.aura import GAINS, aura_codebook, gain_cells
 from kernels.cuda_source import COMBINE, ENCODE, HEADER, PARTIAL
 from kernels.kv_format import AFFINE, AURA, RAW, LayerFormat, PartFormat
-from kernels.lloyd_max import lloyd_max_thresholds
 
 MODES = {RAW: 0, AFFINE: 1, AURA: 2}
 NUM_SMS = 132  # H200; only sizes the split count
@@ -39,7 +38,8 @@ def is_available() -> bool:
 def _kernels() -> dict:
     kernel = functools.partial(mx.fast.cuda_kernel, header=HEADER)
     return {
-        "encode": kernel(name="bm_kv_encode", input_names=["k", "v", "ksign", "vsign", "cb", "thr", "kmean"],
+        "encode": kernel(name="bm_kv_encode", input_names=["k", "v", "ksign", "vsign", "kedges", "kcents", "kindex",
+                                                                 "vedges", "vcents", "vindex", "kmean"],
                          output_names=["out"], source=ENCODE, ensure_row_contiguous=False),
         "partial": kernel(name="bm_paged_decode_partial",
                           input_names=["q", "kp", "vp", "kt", "vt", "pt", "lens", "cb", "qsign", "params", "fparams"],
@@ -55,14 +55,20 @@ def _constant(values: tuple, dtype: mx.Dtype) -> mx.array:
 
 
 @functools.cache
-def _tables(fmt: LayerFormat) -> tuple[mx.array, mx.array]:
-    """Codebooks and thresholds, float32 [512] each: keys at 0, values at 256 (zeros where unused)."""
-    cb, thr = np.zeros(512, np.float32), np.full(512, np.inf, np.float32)
+def _codebooks(fmt: LayerFormat) -> mx.array:
+    """AURA centroids, float32 [512]: keys at 0, values at 256 (zeros where unused)."""
+    cb = np.zeros(512, np.float32)
     for offset, part in ((0, fmt.key), (256, fmt.value)):
         if part.kind == AURA:
             cb[offset : offset + (1 << part.bits)] = np.array(aura_codebook(part.bits))
-            thr[offset : offset + (1 << part.bits) - 1] = lloyd_max_thresholds(part.bits)
-    return mx.array(cb), mx.array(thr)
+    return mx.array(cb)
+
+
+def _cells(part: PartFormat) -> tuple[mx.array, mx.array, mx.array]:
+    """The encoder's gain cells of an AURA part (`kernels.aura.gain_cells`); placeholders otherwise."""
+    if part.kind == AURA:
+        return gain_cells(part.bits)
+    return _constant((0.0,), mx.float32), _constant((0.0,), mx.float32), _constant((0,), mx.uint32)
 
 
 def _signs(part: PartFormat, head_dim: int) -> mx.array:
@@ -87,7 +93,8 @@ def encode_rows(fmt: LayerFormat, keys: mx.array, values: mx.array, key_mean: mx
     it is encoded (`services.engine.cache.centering`), with no launch of its own.
 
     Same codes as `LayerFormat.encode` (affine: identical; AURA: identical up to float rounding
-    of the rotation, which can move a coordinate that sits on a threshold to its neighbour cell).
+    of the rotation, which can move a coordinate that sits on a threshold to its neighbour cell,
+    or flip the gain of a vector that two gains code within rounding alike).
 
     Raises:
         ValueError: a raw layer (raw layers store K and V as they come), or a format the kernels do not
@@ -98,13 +105,14 @@ def encode_rows(fmt: LayerFormat, keys: mx.array, values: mx.array, key_mean: mx
     if not fmt.is_regular:
         raise ValueError(f"the CUDA kernels take regular formats only (kernels.paged_attention.uses_cuda), got {fmt}")
     batch, heads, length, head_dim = keys.shape
-    cb, thr = _tables(fmt)
+    k_cells, v_cells = _cells(fmt.key), _cells(fmt.value)
     odd = (fmt.key_meta_halves + fmt.value_meta_halves) % 2
     (rows,) = _kernels()["encode"](
-        inputs=[keys, values, _signs(fmt.key, head_dim), _signs(fmt.value, head_dim), cb, thr,
+        inputs=[keys, values, _signs(fmt.key, head_dim), _signs(fmt.value, head_dim), *k_cells, *v_cells,
                 _constant((0.0,), mx.float32) if key_mean is None else key_mean],
         template=[("T", keys.dtype), ("D", head_dim), *_part_args("K", fmt.key), *_part_args("V", fmt.value),
-                  *_layout_args(fmt), ("PADMETA", bool(odd)), ("CENTER", key_mean is not None)],
+                  *_layout_args(fmt), ("PADMETA", bool(odd)), ("CENTER", key_mean is not None),
+                  ("NG", len(GAINS)), ("KNE", k_cells[0].size), ("VNE", v_cells[0].size)],
         grid=(-(-batch * heads * length // _ENCODE_WARPS) * 32 * _ENCODE_WARPS, 1, 1),
         threadgroup=(32 * _ENCODE_WARPS, 1, 1),
         output_shapes=[(batch, heads, length, fmt.row_words)],
@@ -196,7 +204,7 @@ def decode_attention(
     assert per_split <= _MAX_SPLIT_PAGES * page_size, "the partial kernel holds a split's page ids in shared memory"
     rotate = fmt.key.kind == AURA
     q_scale = scale * _LOG2E / (math.sqrt(head_dim) if rotate else 1.0)
-    cb, _ = _tables(fmt)
+    cb = _codebooks(fmt)
     raw_dtype = fmt.key.dtype if fmt.is_raw else mx.uint32
     o_part, ml_part = _kernels()["partial"](
         inputs=[queries, kp, vp, kt, vt, page_table, lengths, cb, _signs(fmt.key, head_dim),

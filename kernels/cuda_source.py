@@ -2,7 +2,8 @@
 
 Three kernels, all reading and writing the row format of `kernels.kv_format`:
 - `ENCODE`: K and V vectors of one (token, head) -> one compressed row (AURA: rotate with a
-  fast Walsh-Hadamard transform in warp shuffles, Lloyd-Max search, pack, norm-corrected scale;
+  fast Walsh-Hadamard transform in warp shuffles, Lloyd-Max search over the gains of
+  `kernels.aura.GAINS`, pack, norm-corrected scale;
   affine: MLX's CPU `mx.quantize` rule exactly: min/max, edge snapped to the grid, `rint`).
 - `PARTIAL`: split-K decode attention ("flash-decoding"): one block per (split, kv head, row)
   walks its tokens through the row's page table, reads each K/V row once for all G query
@@ -125,8 +126,9 @@ __device__ __forceinline__ void fwht_shared(float* v, int rows) {
 }
 """
 
-# Inputs: k, v [..., D] (strided), ksign, vsign float [D], cb float [512] (K centroids at 0,
-# V at 256), thr float [512] (thresholds, same split), kmean float [H * D] (with CENTER:
+# Inputs: k, v [..., D] (strided), ksign, vsign float [D], per AURA part its gain cells
+# (`kernels.aura.gain_cells`: edges float [KNE], centroids float [(KNE + 1) * NG], code index
+# uint32 [(KNE + 1) * NG]; affine parts get placeholders), kmean float [H * D] (with CENTER:
 # subtracted from every key first, `services.engine.cache.centering`). Output rows uint32 [N, ROWW].
 # One warp per vector pair, vector n = ((b * H) + h) * L + l; lane j holds dims [j * E, j * E + E)
 # (E = D / 32, or 1 with D lanes when D < 32). Reductions and the Walsh-Hadamard butterflies
@@ -191,23 +193,52 @@ ENCODE = r"""
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
       const float norm = sqrtf(ss);
-      const float* th = thr + part * 256;
-      float cc = 0.f;
+      // Gain search (kernels.aura): one search over the part's cells (edges where some gain's code
+      // changes) gives every gain's code of u; the vector keeps the gain whose codes are closest
+      // in angle to u (the first on a tie). Every gain's loads are independent, and xor
+      // reductions leave every lane the same sums, so all lanes agree on the gain.
+      const float* edges = part == 0 ? kedges : vedges;
+      const float* cents = part == 0 ? kcents : vcents;
+      const int ne = part == 0 ? KNE : VNE;
+      int cell[E];
+      float cu[NG], cc[NG];
+#pragma unroll
+      for (int g = 0; g < NG; ++g) { cu[g] = 0.f; cc[g] = 0.f; }
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        const float u = norm > 0.f ? x[e] / norm : 0.f;  // sqrt(D) * (H s x / sqrt(D)) / |x|
-        int lo = 0, hi = (1 << BITS) - 1;  // count of thresholds < u (ties go to the lower cell)
+        x[e] = norm > 0.f ? x[e] / norm : 0.f;  // u = sqrt(D) * (H s x / sqrt(D)) / |x|
+        int lo = 0, hi = ne;  // count of edges < u (ties go to the lower cell)
         while (lo < hi) {
           const int mid = (lo + hi) >> 1;
-          if (th[mid] < u) lo = mid + 1; else hi = mid;
+          if (edges[mid] < x[e]) lo = mid + 1; else hi = mid;
         }
-        q[e] = lo;
-        const float c = cb[part * 256 + lo];
-        cc = live ? fmaf(c, c, cc) : cc;
+        cell[e] = lo;
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+          const float c = live ? cents[lo * NG + g] : 0.f;
+          cu[g] = fmaf(c, x[e], cu[g]);
+          cc[g] = fmaf(c, c, cc[g]);
+        }
       }
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) cc += __shfl_xor_sync(0xffffffffu, cc, off);
-      if (lane == 0) pmeta[0] = __float2half(norm / sqrtf(cc));
+      for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+          cu[g] += __shfl_xor_sync(0xffffffffu, cu[g], off);
+          cc[g] += __shfl_xor_sync(0xffffffffu, cc[g], off);
+        }
+      }
+      int best = 0;
+      float best_score = cu[0] * fabsf(cu[0]) / cc[0], best_cc = cc[0];
+#pragma unroll
+      for (int g = 1; g < NG; ++g) {
+        const float score = cu[g] * fabsf(cu[g]) / cc[g];
+        if (score > best_score) { best = g; best_score = score; best_cc = cc[g]; }
+      }
+      const uint32_t* index = part == 0 ? kindex : vindex;
+#pragma unroll
+      for (int e = 0; e < E; ++e) q[e] = index[cell[e] * NG + best];
+      if (lane == 0) pmeta[0] = __float2half(norm / sqrtf(best_cc));
     } else {  // affine, MLX's CPU rule (mlx/backend/cpu/quantized.cpp `quantize`)
       float lo = INFINITY, hi = -INFINITY;
 #pragma unroll

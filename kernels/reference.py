@@ -124,22 +124,35 @@ def lloyd_max_mse_quadrature(codebook: np.ndarray) -> float:
 
 
 def aura_encode_ref(
-    x: np.ndarray, signs: np.ndarray, codebook: np.ndarray
+    x: np.ndarray, signs: np.ndarray, codebook: np.ndarray, gains: tuple[float, ...] = (1.0,)
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """AURA encode of `[..., d]` vectors in float64.
+    """AURA encode of `[..., d]` vectors in float64, with `kernels.aura`'s gain search.
+
+    For each gain `g` (in order), the nearest centroids of `u / g`; a vector keeps the first
+    gain with the largest `cos(u, c[index])`. `gains=(1.0,)`: plain nearest-centroid coding.
 
     Returns:
         `(index, scale, u)`: int64 `[..., d]` nearest-centroid indices, float64 `[..., 1]`
-        norm-corrected scales `||x|| / ||c[index]||`, and the normalised rotated
-        coordinates `u = sqrt(d) * Pi x / ||x||` (for tie diagnostics).
+        norm-corrected scales `||x|| / ||c[index]||`, and the coded coordinates `u / g` of
+        the kept gain, `u = sqrt(d) * Pi x / ||x||` (for tie diagnostics).
     """
     x = x.astype(np.float64)
     d = x.shape[-1]
     norm = np.linalg.norm(x, axis=-1, keepdims=True)
     u = math.sqrt(d) * (x @ rotation_matrix_ref(signs).T) / norm
-    index = np.argmin(np.abs(u[..., None] - codebook), axis=-1)
+    best_cos = np.full(u.shape[:-1], -np.inf)
+    index, coded = np.zeros(u.shape, dtype=np.int64), np.zeros_like(u)
+    for gain in gains:
+        scaled = u / gain
+        candidate = np.argmin(np.abs(scaled[..., None] - codebook), axis=-1)
+        c = codebook[candidate]
+        cos = np.sum(c * u, axis=-1) / np.linalg.norm(c, axis=-1) / np.linalg.norm(u, axis=-1)
+        better = cos > best_cos
+        best_cos = np.where(better, cos, best_cos)
+        index = np.where(better[..., None], candidate, index)
+        coded = np.where(better[..., None], scaled, coded)
     scale = norm / np.linalg.norm(codebook[index], axis=-1, keepdims=True)
-    return index, scale, u
+    return index, scale, coded
 
 
 def aura_decode_ref(

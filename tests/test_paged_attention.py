@@ -408,9 +408,18 @@ def test_cuda_encoder_matches_mlx_ops_encoder(scheme, head_dim, centered):
         return
     got_k, got_v = decode_rows_ref(fmt, (got,))
     want_k, want_v = decode_rows_ref(fmt, (want,))
-    assert np.mean(got[..., : fmt.meta_offset] == want[..., : fmt.meta_offset]) > 0.99
-    np.testing.assert_allclose(got_k, want_k, atol=0.05 * np.abs(want_k).max())
-    np.testing.assert_allclose(got_v, want_v, atol=0.05 * np.abs(want_v).max())
+    # Where codes differ, the kernel's point as close to the input: the gain search keeps the
+    # closest in angle, and at 8 bits two gains often tie within rounding (whole vectors differ).
+    if max(fmt.key.bits, fmt.value.bits) < 8:
+        assert np.mean(got[..., : fmt.meta_offset] == want[..., : fmt.meta_offset]) > 0.95
+    for source, got_part, want_part in ((x if mean is None else x - mean, got_k, want_k), (y, got_v, want_v)):
+        source = np.array(source, dtype=np.float64)
+
+        def cosine(decoded):
+            return np.sum(source * decoded, -1) / np.linalg.norm(source, axis=-1) / np.linalg.norm(decoded, axis=-1)
+
+        np.testing.assert_array_less(cosine(want_part) - 1e-5, cosine(got_part))
+        np.testing.assert_allclose(got_part, want_part, atol=0.05 * np.abs(want_part).max())
 
 
 def test_partial_kernel_warps_fit_static_shared_memory():
