@@ -1,7 +1,7 @@
 """Python side of the CUDA KV kernels: build once, pick template arguments, launch.
 
 `is_available()` says whether they can run here (MLX's CUDA backend is the default device).
-Constant inputs (codebooks, thresholds, rotation signs, scalar parameters) are built once per
+Constant inputs (codebooks, gain cells, rotation signs, scalar parameters) are built once per
 value and reused, so a traced decode step holds no per-step host data beyond its indices.
 
 Source: `kernels.cuda_source` (kernel bodies and their design).

@@ -126,10 +126,11 @@ def lloyd_max_mse_quadrature(codebook: np.ndarray) -> float:
 def aura_encode_ref(
     x: np.ndarray, signs: np.ndarray, codebook: np.ndarray, gains: tuple[float, ...] = (1.0,)
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """AURA encode of `[..., d]` vectors in float64, with `kernels.aura`'s gain search.
+    """AURA encode of `[..., d]` vectors in float64; `gains=kernels.aura.GAINS`: its gain search.
 
-    For each gain `g` (in order), the nearest centroids of `u / g`; a vector keeps the first
-    gain with the largest `cos(u, c[index])`. `gains=(1.0,)`: plain nearest-centroid coding.
+    For each gain `g` (in order), the nearest centroids of `u / g` (argmin over the codebook);
+    a vector keeps the first gain with the largest `cos(u, c[index])`. The default `(1.0,)`:
+    plain nearest-centroid coding.
 
     Returns:
         `(index, scale, u)`: int64 `[..., d]` nearest-centroid indices, float64 `[..., 1]`

@@ -218,6 +218,10 @@ def test_command_writes_spec_files_and_reuses_its_sensitivities(tmp_path):
     assert json.loads((tmp_path / "b" / "calibrate_kv.json").read_text())["sensitivity"] == report["sensitivity"]
     other = buttermilk(*args, "--calibration-tokens", "9", "--sensitivity", str(tmp_path / "a" / "calibrate_kv.json"))
     assert other.returncode == 2 and "calibration_tokens" in other.stderr
+    del report["source"]["aura_gains"]  # a table measured before the gain search: AURA codes of one gain
+    (tmp_path / "old.json").write_text(json.dumps(report))
+    old = buttermilk(*args, "--sensitivity", str(tmp_path / "old.json"))
+    assert old.returncode == 2 and "'aura_gains': (1, 9)" in old.stderr, old.stderr
 
 
 @pytest.mark.model

@@ -30,6 +30,7 @@ from kernels.aura import (
     aura_decode,
     aura_decode_rotated,
     aura_encode,
+    gain_cells,
     pack_bits,
     parse_aura_scheme,
     unpack_bits,
@@ -431,8 +432,11 @@ def test_aura_matches_float64_reference(bits, head_dim):
         return np.sum(c * direction, -1) / np.linalg.norm(c, axis=-1) / np.linalg.norm(direction, axis=-1)
 
     np.testing.assert_array_less(cosine(index_ref) - 1e-6, cosine(index))
+    # On average as close as the float64 search; at 9-10 bits float32 sums cannot tell the gains
+    # apart on many vectors (their cosines differ by ~1e-7), which costs a few percent.
+    assert np.mean(1 - cosine(index)) <= np.mean(1 - cosine(index_ref)) * (1.02 if bits <= 8 else 1.15)
     if bits <= 7:  # wider codes: gains tie within float32 rounding on many vectors
-        assert differ.any(axis=-1).mean() < 0.05
+        assert differ.any(axis=-1).mean() < {5: 0.03, 6: 0.03, 7: 0.08}.get(bits, 0.02)
     few = differ.sum(axis=-1, keepdims=True) <= 2  # same gain, a coordinate at a threshold
     gap = np.min(np.abs(u[..., None] - lloyd_max_thresholds(bits)), axis=-1)
     assert np.all(gap[differ & few] < 1e-4)
@@ -503,13 +507,42 @@ def test_aura_mse_on_gaussian_vectors(bits, head_dim):
     plain = ref.aura_decode_ref(index, norm / math.sqrt(head_dim), signs, codebook)
     assert np.mean((plain - x_np) ** 2) == pytest.approx(distortion, rel=0.05)
 
-    # The search never does worse than g = 1, and gains what the Monte Carlo figures say
-    # (4096 vectors: within 1.5 points of them).
+    # The search never does worse than g = 1, and lands where the Monte Carlo figures say
+    # (4096 vectors: within 0.6 points of them).
     nearest = aura_reference_mse(x_np, rotation, bits, gains=(1.0,))
     expected = {(64, 1): 1.0, (64, 2): 0.983, (64, 3): 0.903, (64, 4): 0.796,
                 (128, 1): 1.0, (128, 2): 0.991, (128, 3): 0.945, (128, 4): 0.858}[head_dim, bits]
     assert measured <= nearest * (1 + 1e-5)
-    assert measured / nearest == pytest.approx(expected, abs=0.015)
+    assert measured / nearest == pytest.approx(expected, abs=0.006)
+    searched = {(64, 1): 0.095, (64, 2): -0.026, (64, 3): -0.142, (64, 4): -0.256,
+                (128, 1): 0.104, (128, 2): 0.001, (128, 3): -0.074, (128, 4): -0.170}[head_dim, bits]
+    assert measured / distortion - 1 == pytest.approx(searched, abs=0.015)
+
+
+@pytest.mark.parametrize("bits", [8, 10])
+def test_aura_gain_search_works_at_wide_codes(bits):
+    """At 8-10 bits the gains' cosines differ by ~1e-7, near float32 rounding: the search must still
+    cut the error of nearest-centroid coding (float64 reference, one gain) by a fifth or so. Measured
+    (d = 64, 256 N(0, I) vectors, three seeds): 0.75-0.76 at 8 bits, 0.77-0.83 at 10."""
+    rotation = RandomizedHadamard(64, seed=0)
+    x_np = gaussian_vectors(256, 64, seed=bits).astype(np.float32).astype(np.float64)
+    codes = aura_encode(mx.array(x_np.astype(np.float32)), bits=bits, rotation=rotation)
+    decoded = to_np(aura_decode(codes, bits=bits, rotation=rotation, dtype=mx.float32))
+    nearest = aura_reference_mse(x_np, rotation, bits, gains=(1.0,))
+    assert np.mean((decoded - x_np) ** 2) / nearest < 0.88
+
+
+@pytest.mark.parametrize("bits", range(1, 11))
+def test_gain_cells_give_every_gains_nearest_centroid(bits):
+    """Inside each cell, each gain's table code is count(thresholds < u / g), computed directly."""
+    edges, centroids, index = (np.array(a) for a in gain_cells(bits))
+    assert np.all(np.diff(edges) > 0)
+    assert centroids.shape == (edges.size + 1, len(GAINS)) and index.shape == ((edges.size + 1) * len(GAINS),)
+    thresholds = np.array(lloyd_max_thresholds(bits), dtype=np.float64)
+    points = np.concatenate([[edges[0] - 1.0], (edges[:-1].astype(np.float64) + edges[1:]) / 2, [edges[-1] + 1.0]])
+    want = np.stack([np.sum(thresholds[None, :] < points[:, None] / g, axis=1) for g in GAINS], axis=1)
+    np.testing.assert_array_equal(index.reshape(-1, len(GAINS)), want)
+    np.testing.assert_allclose(centroids, np.array(lloyd_max_codebook(bits))[want], rtol=1e-6)
 
 
 def test_aura_zero_vector_decodes_to_zero():

@@ -385,14 +385,20 @@ def test_history_split_over_cpu_threads_equals_one_pass(monkeypatch, scheme):
     np.testing.assert_allclose(split, one, atol=1e-5 if DTYPE == mx.float32 else 8e-3)
 
 
+def angle_gap(x: np.ndarray, decoded: np.ndarray) -> np.ndarray:
+    """1 - cos(x, decoded) per vector [...]: an AURA code's error in angle (its scale keeps the norm)."""
+    return 1 - np.sum(x * decoded, -1) / np.linalg.norm(x, axis=-1) / np.linalg.norm(decoded, axis=-1)
+
+
 @pytest.mark.skipif(not ON_CUDA, reason="the CUDA encoder needs MLX's CUDA backend (the H200 run covers it)")
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES if s not in ("raw", "aura9v10")])  # what the kernels take
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("centered", [False, True], ids=["as-is", "centered"])
 def test_cuda_encoder_matches_mlx_ops_encoder(scheme, head_dim, centered):
-    """Affine rows are bit-identical to `mx.quantize`'s (CPU rule); AURA codes agree except at
-    thresholds (the rotation sums in another order), and decode to the same vectors closely.
-    Centered: the kernel's own subtraction of a key mean equals encoding `keys - mean`."""
+    """Affine rows are bit-identical to `mx.quantize`'s (CPU rule). AURA codes agree except at
+    thresholds and where two gains code a vector alike within rounding (the rotation sums in another
+    order), so the kernel's codes lie as close in angle to each vector, and decode to the same
+    vectors closely. Centered: the kernel's own subtraction of a key mean equals encoding `keys - mean`."""
     fmt = LayerFormat(*SCHEMES[scheme](mx.float32), head_dim)
     # strided inputs, as the model hands them over: [B, L, H, D] transposed to [B, H, L, D]
     x = mx.array(np.random.default_rng(head_dim).standard_normal((2, 40, 3, head_dim)).astype(np.float32) * 3)
@@ -408,17 +414,15 @@ def test_cuda_encoder_matches_mlx_ops_encoder(scheme, head_dim, centered):
         return
     got_k, got_v = decode_rows_ref(fmt, (got,))
     want_k, want_v = decode_rows_ref(fmt, (want,))
-    # Where codes differ, the kernel's point as close to the input: the gain search keeps the
-    # closest in angle, and at 8 bits two gains often tie within rounding (whole vectors differ).
-    if max(fmt.key.bits, fmt.value.bits) < 8:
-        assert np.mean(got[..., : fmt.meta_offset] == want[..., : fmt.meta_offset]) > 0.95
-    for source, got_part, want_part in ((x if mean is None else x - mean, got_k, want_k), (y, got_v, want_v)):
+    parts = ((fmt.key, slice(0, fmt.key_words), x if mean is None else x - mean, got_k, want_k),
+             (fmt.value, slice(fmt.key_words, fmt.meta_offset), y, got_v, want_v))
+    for part, words, source, got_part, want_part in parts:
+        if part.bits < 8:  # at 8 bits two gains often tie within rounding: whole vectors differ
+            assert np.mean(got[..., words] == want[..., words]) > 0.99
         source = np.array(source, dtype=np.float64)
-
-        def cosine(decoded):
-            return np.sum(source * decoded, -1) / np.linalg.norm(source, axis=-1) / np.linalg.norm(decoded, axis=-1)
-
-        np.testing.assert_array_less(cosine(want_part) - 1e-5, cosine(got_part))
+        gap, want_gap = angle_gap(source, got_part), angle_gap(source, want_part)
+        np.testing.assert_array_less(gap, want_gap * 1.02 + 1e-7)  # 1e-7: near-tied gains at 8 bits
+        assert gap.mean() <= want_gap.mean() * 1.005
         np.testing.assert_allclose(got_part, want_part, atol=0.05 * np.abs(want_part).max())
 
 

@@ -53,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kernels.aura import GAINS
     from services.engine.model.loader import load_model
     from services.eval.calibrate import CalibrationConfig, calibrate, check_config
     from services.eval.calibrate_report import markdown_report, results_dict
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     text = read_text(text_path)
     loaded = load_model(args.model, dtype=args.dtype)
     source = {"model": loaded.path.name, "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
-              "calibration_tokens": args.calibration_tokens, "chunk": args.chunk, "center_keys": args.center_keys}
+              "calibration_tokens": args.calibration_tokens, "chunk": args.chunk, "center_keys": args.center_keys,
+              "aura_gains": len(GAINS)}
     sensitivity = None if args.sensitivity is None else load_sensitivity(args.sensitivity, source)
     widths = (args.widths or WIDTHS) if sensitivity is None else sensitivity.widths
     config = CalibrationConfig(budgets=args.budgets, reference_schemes=tuple(s for s in args.schemes.split(",") if s),
@@ -141,7 +143,8 @@ def load_sensitivity(path: Path, source: dict):
 
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
-        saved, table = {"center_keys": False} | report["source"], report["sensitivity"]  # older: keys as they came
+        # older tables: keys as they came, AURA codes of the nearest centroids (one gain)
+        saved, table = {"center_keys": False, "aura_gains": 1} | report["source"], report["sensitivity"]
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path} is not a calibrate_kv.json ({exc})") from None
     if saved != source:
