@@ -61,9 +61,11 @@ def plot_calibration(calibration: Calibration, path: Path, *, title: str) -> Pat
                    label=f"{r.scheme}: {r.bits_per_element:.3g} bits, KL {r.quality.mean_kl:.4f}")
     points = calibration.points
     bits = [p.heldout.bits_per_element for p in points]
-    ax.plot(bits, [p.heldout.quality.mean_kl for p in points], "-*", color="crimson", markersize=11,
-            markeredgecolor="black", markeredgewidth=0.4, label="calibrated, held-out: " + ", ".join(
-                f"{p.heldout.bits_per_element:.3g}→{p.heldout.quality.mean_kl:.4f}" for p in points))
+    kls = [p.heldout.quality.mean_kl for p in points]
+    ax.plot(bits, kls, "-*", color="crimson", markersize=11, markeredgecolor="black", markeredgewidth=0.4,
+            label="calibrated, held out")
+    for x, kl in zip(bits, kls):
+        ax.annotate(f"{kl:.2g}", (x, kl), textcoords="offset points", xytext=(6, 4), fontsize=7, color="crimson")
     ax.scatter(bits, [p.allocation.predicted_kl for p in points], s=30, marker="^", facecolors="none",
                edgecolors="crimson", label="calibrated, predicted (calibration half)")
     return _finish(plt, fig, ax, path, title)
