@@ -24,7 +24,7 @@ MODES = {RAW: 0, AFFINE: 1, AURA: 2}
 NUM_SMS = 132  # H200; only sizes the split count
 _LOG2E = math.log2(math.e)
 _STATIC_SHARED_BYTES = 48 * 1024  # a kernel's static shared memory at most (CUDA)
-_ENCODE_WARPS = 4  # vectors encoded per block of the encoder (one warp each; `sidx_all` in its source)
+_ENCODE_WARPS = 4  # warps per block of the encoder (one per vector part; `sidx_all` in its source)
 _COMBINE_THREADS = 512  # the combine kernel's block at most (`NT` in its source)
 _MAX_SPLIT_PAGES = 256  # pages one split walks at most (its page ids sit in shared memory: `MAXPG`)
 
@@ -113,7 +113,7 @@ def encode_rows(fmt: LayerFormat, keys: mx.array, values: mx.array, key_mean: mx
         template=[("T", keys.dtype), ("D", head_dim), *_part_args("K", fmt.key), *_part_args("V", fmt.value),
                   *_layout_args(fmt), ("PADMETA", bool(odd)), ("CENTER", key_mean is not None),
                   ("NG", len(GAINS)), ("KNE", k_cells[0].size), ("VNE", v_cells[0].size)],
-        grid=(-(-batch * heads * length // _ENCODE_WARPS) * 32 * _ENCODE_WARPS, 1, 1),
+        grid=(-(-2 * batch * heads * length // _ENCODE_WARPS) * 32 * _ENCODE_WARPS, 1, 1),
         threadgroup=(32 * _ENCODE_WARPS, 1, 1),
         output_shapes=[(batch, heads, length, fmt.row_words)],
         output_dtypes=[mx.uint32],
@@ -255,10 +255,13 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
         fmt (LayerFormat): The layer's format.
         rows (int): Sequences times kv heads of the launch (one block walks one of them per split).
 
-    Few rows (`rows < NUM_SMS`, e.g. one stream at 32K): the history is split across every SM, loops
-    are short, and loads right before their math measured best; head_dim 64 (GQA 4) wants two
-    tokens in flight per lane and the query in shared memory, head_dim 128 (GQA 2) 16 dims per
-    lane, one token at a time, the query in registers. Many rows (32 streams x 8K): each block
+    Few rows (`rows < NUM_SMS`, e.g. one stream at 32K): the history is split across every SM four
+    times over, loops are short, and loads right before their math measured best; head_dim 64 (GQA 4)
+    wants two tokens in flight per lane and the query in shared memory, head_dim 128 (GQA 2) 16 dims
+    per lane, one token at a time, the query in registers. Four waves of blocks rather than two: in a
+    CUPTI sweep of 1 x 8K and 1 x 32K (`ops/kernel_sweep.py --gpu-time`,
+    `ops/results/kernel_sweep_gpu_cupti.json`) four beat two in all 14 cases (raw, affine4, AURA;
+    head_dim 64 and 128, each at its own unroll), by 3-60%. Many rows (32 streams x 8K): each block
     walks a long row and load latency bounds it, so the next tile is prefetched, one token per lane
     at a time, the query in registers; 8 dims per lane at head_dim 64, 16 at 128 (through the
     engine, raw qwen3 32 x 8K decoded 2536 tok/s with 8, 3346 with 16).
@@ -266,8 +269,8 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     """
     if rows < NUM_SMS:
         if fmt.head_dim <= 64:
-            return Tuning(dims_per_lane=8, unroll=2, warps=4, waves=2, query_in_registers=False)
-        return Tuning(dims_per_lane=16, unroll=1, warps=4, waves=2, query_in_registers=True)
+            return Tuning(dims_per_lane=8, unroll=2, warps=4, waves=4, query_in_registers=False)
+        return Tuning(dims_per_lane=16, unroll=1, warps=4, waves=4, query_in_registers=True)
     wide = 16 if fmt.head_dim > 64 else 8
     return Tuning(dims_per_lane=wide, unroll=1, warps=4, waves=2, query_in_registers=True, prefetch=True)
 

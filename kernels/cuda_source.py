@@ -130,15 +130,21 @@ __device__ __forceinline__ void fwht_shared(float* v, int rows) {
 # (`kernels.aura.gain_cells`: edges float [KNE], centroids float [(KNE + 1) * NG], code index
 # uint32 [(KNE + 1) * NG]; affine parts get placeholders), kmean float [H * D] (with CENTER:
 # subtracted from every key first, `services.engine.cache.centering`). Output rows uint32 [N, ROWW].
-# One warp per vector pair, vector n = ((b * H) + h) * L + l; lane j holds dims [j * E, j * E + E)
-# (E = D / 32, or 1 with D lanes when D < 32). Reductions and the Walsh-Hadamard butterflies
-# across lanes are warp shuffles: no block barrier anywhere.
+# One warp per part (K or V) of vector n = ((b * H) + h) * L + l: warp 2n codes the key, 2n + 1
+# the value, so the two searches run side by side (a decode step encodes a few vectors, and its
+# latency is one part's, not two). Lane j holds dims [j * E, j * E + E) (E = D / 32, or 1 with D
+# lanes when D < 32). Reductions and the Walsh-Hadamard butterflies across lanes are warp
+# shuffles: no block barrier anywhere.
 ENCODE = r"""
   constexpr int E = D >= 32 ? D / 32 : 1;  // dims per lane
   constexpr int LANES = D / E;              // lanes holding dims
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int n = blockIdx.x * (blockDim.x / 32) + warp;
+  const int gw = blockIdx.x * (blockDim.x / 32) + warp, n = gw / 2, mine = gw % 2;
   const int H = k_shape[1], L = k_shape[2];
+  // Both parts' cell edges in shared memory: the binary search below then waits on no global load.
+  __shared__ float sedges[KNE + VNE];
+  for (int i = threadIdx.x; i < KNE + VNE; i += blockDim.x) sedges[i] = i < KNE ? kedges[i] : vedges[i - KNE];
+  __syncthreads();
   if (n >= k_shape[0] * H * L) return;  // no block barrier follows: warps leave independently
   const int b = n / (H * L), h = (n / L) % H, l = n % L;
   const bool live = lane < LANES;
@@ -148,6 +154,7 @@ ENCODE = r"""
   __half* meta = reinterpret_cast<__half*>(row + MOFF);
 #pragma unroll
   for (int part = 0; part < 2; ++part) {
+    if (part != mine) continue;  // warp-uniform; each unrolled part keeps compile-time widths
     const int MODE = part == 0 ? KMODE : VMODE;
     const int BITS = part == 0 ? KBITS : VBITS;
     const int GS = part == 0 ? KGS : VGS;
@@ -197,7 +204,7 @@ ENCODE = r"""
       // changes) gives every gain's code of u; the vector keeps the gain whose codes are closest
       // in angle to u (the first on a tie). Every gain's loads are independent, and xor
       // reductions leave every lane the same sums, so all lanes agree on the gain.
-      const float* edges = part == 0 ? kedges : vedges;
+      const float* edges = part == 0 ? sedges : sedges + KNE;
       const float* cents = part == 0 ? kcents : vcents;
       const int ne = part == 0 ? KNE : VNE;
       int cell[E];
@@ -279,7 +286,7 @@ ENCODE = r"""
     }
     __syncwarp();
   }
-  if (PADMETA && lane == 0) meta[KMH + VMH] = __float2half(0.f);
+  if (PADMETA && mine == 1 && lane == 0) meta[KMH + VMH] = __float2half(0.f);
 """
 
 PARTIAL = r"""

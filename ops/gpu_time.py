@@ -10,6 +10,7 @@ bound by GPU execution, not by the host's launches.
 Needs PyTorch with CUDA next to MLX's CUDA backend (PyTorch is not a buttermilk dependency):
 
     python -m ops.gpu_time --random-model llama-1b --batch-sizes 1,64
+    python -m ops.gpu_time --random-model llama-1b --kv-cache aura4v4 --context 8192 --batch-sizes 1,32
 
 Writes JSON (default `ops/results/gpu_time_<model>.json`); not a test.
 """
@@ -21,6 +22,8 @@ import collections
 import json
 import time
 from pathlib import Path
+
+import mlx.core as mx
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -37,18 +40,34 @@ def busy_us(spans: list[tuple[float, float]]) -> float:
     return total + (0.0 if end is None else end - start)
 
 
-def profile_batch(loaded, batch: int, tokens: int, top: int) -> dict:
-    """One run of `batch` streams decoding `tokens` each (after an untimed warm-up run), under the profiler."""
+def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw", context: int = 0) -> dict:
+    """One run of `batch` streams decoding `tokens` each under the profiler, after an untimed warm-up run.
+
+    `context` 0: short random prompts (`ops.bench_batching`); else every stream starts from
+    `context` tokens of random K/V in a `scheme` cache (`ops.engine_fill`, as `ops.bench_kv`).
+    """
     from torch.profiler import ProfilerActivity, profile
 
     from ops.bench_batching import make_core, prompts_for, run_ours
+    from ops.bench_kv import decode_rate
+    from ops.engine_fill import filled_engine
 
-    prompts = prompts_for(batch, loaded.model.args.vocab_size, seed=batch)
-    core = make_core(loaded, prompts, tokens, page_size=16)
-    run_ours(core, prompts, tokens)
+    if context:  # the fill (encoder launches) happens before the profiler starts
+        def run():
+            core, requests = filled_engine(loaded, scheme, [context] * batch, max_tokens=tokens + 4)
+            mx.eval(core.cache.arrays)
+            return lambda: decode_rate(core, requests, warmup=4)
+    else:
+        prompts = prompts_for(batch, loaded.model.args.vocab_size, seed=batch)
+        core = make_core(loaded, prompts, tokens, page_size=16)
+
+        def run():
+            return lambda: run_ours(core, prompts, tokens)
+    run()()
+    timed = run()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        rate = run_ours(core, prompts, tokens)
+        rate = timed()
         wall = time.perf_counter() - t0
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     by_name = collections.defaultdict(lambda: [0, 0.0])
@@ -58,6 +77,7 @@ def profile_batch(loaded, batch: int, tokens: int, top: int) -> dict:
     spans = [(e.time_range.start, e.time_range.end) for e in kernels]
     busy, span = busy_us(spans), max(e for _, e in spans) - min(s for s, _ in spans)
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    tokens = tokens + 4 if context else tokens  # steps profiled (with context: 4 warm-up steps too)
     return {"tok_s": round(rate, 1), "wall_s": round(wall, 4), "kernels": len(kernels),
             "gpu_busy_us": round(busy, 1), "gpu_span_us": round(span, 1),
             "per_step_busy_us": round(busy / tokens, 1), "per_step_span_us": round(span / tokens, 1),
@@ -72,6 +92,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per stream (per-step figures divide by it)")
     parser.add_argument("--top", type=int, default=40, help="kernel names kept, by total time")
+    parser.add_argument("--kv-cache", default="raw", help="cache scheme (with --context)")
+    parser.add_argument("--context", type=int, default=0, help="tokens of random K/V per stream before decode (0: short prompts)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     import torch
@@ -80,8 +102,10 @@ def main() -> None:
 
     torch.cuda.init()  # CUPTI needs a CUDA context of PyTorch's own
     loaded = random_model(args.random_model, "bfloat16")
-    result = {str(b): profile_batch(loaded, b, args.tokens, args.top) for b in args.batch_sizes}
-    out = args.out or RESULTS / f"gpu_time_{args.random_model}.json"
+    result = {str(b): profile_batch(loaded, b, args.tokens, args.top, args.kv_cache, args.context)
+              for b in args.batch_sizes}
+    suffix = f"_{args.kv_cache}_{args.context}" if args.context else ""
+    out = args.out or RESULTS / f"gpu_time_{args.random_model}{suffix}.json"
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps({b: {k: v for k, v in r.items() if k != "top"} for b, r in result.items()}, indent=1))
 

@@ -44,8 +44,11 @@ def _pools(fmt, rows: int) -> tuple[mx.array, ...]:
     return tuple(out)
 
 
-def layer_timer(fmt, shape, streams: int, context: int):
-    """A function `(tuning, repeats, iters) -> ms` timing every layer's decode attention over fresh pools."""
+def layer_timer(fmt, shape, streams: int, context: int, gpu_time: bool = False):
+    """A function `(tuning, repeats, iters) -> ms` timing every layer's decode attention over fresh pools.
+
+    `gpu_time`: the partial and combine kernels' GPU time (CUPTI), not the wall clock with launches.
+    """
     layers, n_heads, n_kv, head_dim = shape
     pages_per_row = -(-context // PAGE)
     num_pages = streams * pages_per_row
@@ -72,7 +75,20 @@ def layer_timer(fmt, shape, streams: int, context: int):
             best = min(best, (time.perf_counter() - start) / iters)
         return best * 1e3
 
-    return timed
+    def gpu_timed(tuning: Tuning, repeats: int, iters: int) -> float:
+        """Kernel time alone (CUPTI through PyTorch's profiler), ms per step, best of `repeats`."""
+        from torch.profiler import ProfilerActivity, profile
+
+        mx.eval(step(tuning))
+        best = float("inf")
+        for _ in range(repeats):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                mx.eval([step(tuning) for _ in range(iters)])
+            kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and "paged_decode" in e.name]
+            best = min(best, sum(e.device_time_total for e in kernels) / iters / 1e3)
+        return best
+
+    return gpu_timed if gpu_time else timed
 
 
 def main() -> None:
@@ -88,8 +104,14 @@ def main() -> None:
     parser.add_argument("--prefetch", default="0,1")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--gpu-time", action="store_true",
+                        help="time the kernels alone with CUPTI (needs PyTorch with CUDA), not the wall clock")
     parser.add_argument("--out", default=str(RESULTS / "kernel_sweep_gpu.json"))
     args = parser.parse_args()
+    if args.gpu_time:
+        import torch
+
+        torch.cuda.init()  # CUPTI needs a CUDA context of PyTorch's own
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     tunings = [Tuning(*t) for t in itertools.product(ints(args.dims_per_lane), ints(args.unroll), ints(args.warps),
                                                       ints(args.waves), map(bool, ints(args.query_in_registers)),
@@ -100,7 +122,7 @@ def main() -> None:
         shape = SHAPES[model]
         streams, context = map(int, case.split("x"))
         fmt = layer_format(scheme, layer=0, dtype=mx.bfloat16, head_dim=shape[3])
-        timings, timed = {}, layer_timer(fmt, shape, streams, context)
+        timings, timed = {}, layer_timer(fmt, shape, streams, context, args.gpu_time)
         for tuning in tunings:
             try:
                 timings[tuning] = timed(tuning, args.repeats, args.iters)
