@@ -306,25 +306,40 @@ def _decode_part(part: PartFormat, codes: mx.array, meta: mx.array, dim: int) ->
 
 
 @functools.lru_cache(maxsize=None)
-def _u16_table(bits: int) -> mx.array:
-    """Centroids of every uint16 of codes: float32 [65536, 16 / bits] (bits dividing 16)."""
-    per = 16 // bits
-    words = np.arange(1 << 16, dtype=np.int64)[:, None]
-    index = (words >> (bits * np.arange(per))[None, :]) & ((1 << bits) - 1)
-    return mx.array(np.array(aura_codebook(bits))[index].astype(np.float32))
+def _byte_table(bits: int) -> mx.array:
+    """Centroids of every byte of codes (bits dividing 8), float32 `[256, 8 / bits]`; as complex64
+    `[256, 4 / bits]` (pairs of centroids, one gathered element each) when 8 / bits is even."""
+    per = 8 // bits
+    byte = np.arange(256, dtype=np.int64)[:, None]
+    index = (byte >> (bits * np.arange(per))[None, :]) & ((1 << bits) - 1)
+    table = np.array(aura_codebook(bits), np.float32)[index]
+    return mx.array(table) if per == 1 else mx.view(mx.array(table.reshape(-1)), mx.complex64).reshape(256, per // 2)
 
 
 def aura_lookup(codes: mx.array, bits: int, dim: int | None = None) -> mx.array:
     """Unit-scale centroids `c[idx]` float32 `[..., dim]` of packed AURA codes `[..., words]`.
 
-    Widths dividing 16 look up a whole uint16 of codes at once (one gather per 16 bits,
-    ~5x faster on the CPU backend than unpacking then gathering each index); others unpack.
-    `dim` None: every bit of the words is a code.
+    Widths dividing 8 look up each byte of codes at once (a table of 256 rows); others unpack,
+    then look up each index. Both gather with `take_along_axis` (MLX's GatherAxis), which the CPU
+    backend runs 5-9x faster than `take` (Gather) for these lookups: aura8v4 keys of one 8K-token
+    layer of the default model, 5.0 -> 0.54 ms. `dim` None: every bit of the words is a code.
     """
-    if 16 % bits:
-        return mx.take(aura_codebook(bits), unpack_bits(codes, bits, dim))
-    halves = mx.view(mx.contiguous(codes), mx.uint16)
-    out = mx.take(_u16_table(bits), halves, axis=0).reshape(*codes.shape[:-1], -1)
+    lead, words = codes.shape[:-1], codes.shape[-1]
+    rows = math.prod(lead)
+    if 8 % bits:
+        index = unpack_bits(codes, bits, dim)
+        out = mx.take_along_axis(aura_codebook(bits)[None], index.reshape(rows, index.shape[-1]), axis=1)
+        return out.reshape(*lead, index.shape[-1])
+    byte = mx.view(mx.contiguous(codes), mx.uint8).reshape(rows, 4 * words)
+    table = _byte_table(bits)
+    if table.dtype == mx.float32:
+        out = mx.take_along_axis(table.reshape(1, 256), byte, axis=1)
+    elif table.shape[1] == 1:
+        out = mx.view(mx.take_along_axis(table.reshape(1, 256), byte, axis=1), mx.float32)
+    else:
+        index = mx.broadcast_to(byte[..., None], (rows, 4 * words, table.shape[1]))
+        out = mx.view(mx.take_along_axis(table[None], index, axis=1), mx.float32)
+    out = out.reshape(*lead, 32 // bits * words)
     return out if dim is None or dim == out.shape[-1] else out[..., :dim]
 
 

@@ -396,6 +396,20 @@ def test_pack_partial_words_pad_with_zero_bits(bits, count):
     assert np.all(np.array(packed)[:, -1] >> (count * bits % 32 or 32) == 0)
 
 
+@pytest.mark.parametrize("bits", range(1, 11))
+@pytest.mark.parametrize("lead, count", [((2, 3, 5), 64), ((7,), 60), ((0, 4), 64)])
+def test_aura_lookup_equals_codebook_of_reference_packed_indices(bits, lead, count):
+    """`aura_lookup` (byte tables, GatherAxis) gives `codebook[index]` for codes packed by the NumPy reference."""
+    from kernels.kv_format import aura_lookup
+
+    rng = np.random.default_rng(bits * 100 + count)
+    values = rng.integers(0, 2**bits, size=(*lead, count)).astype(np.uint32)
+    packed = mx.array(ref.pack_bits_ref(values, bits)) if values.size else mx.zeros((*lead, -(-count * bits // 32)), mx.uint32)
+    out = aura_lookup(packed, bits, count)
+    assert out.dtype == mx.float32 and out.shape == (*lead, count)
+    np.testing.assert_array_equal(np.array(out), np.array(lloyd_max_codebook(bits), np.float32)[values])
+
+
 # --------------------------------------------------------------------------- AURA
 
 
