@@ -85,6 +85,7 @@ __device__ __forceinline__ float decode_slice(const Slice<MODE, BITS, D, DPL, RT
     return 1.0f;
   } else {
     constexpr uint32_t MASK = (1u << BITS) - 1u;
+    const float x_s = __half2float(x.s), x_b = __half2float(x.b);
     const int off = (d0 * BITS) % 32;  // the lane's first bit inside w[0]
     uint32_t a[NW];                     // the lane's bits from bit 0 on (indices below are compile-time)
 #pragma unroll
@@ -96,9 +97,11 @@ __device__ __forceinline__ float decode_slice(const Slice<MODE, BITS, D, DPL, RT
       uint32_t q = a[wi] >> o;
       if (o + BITS > 32) q |= a[wi + 1 < NW ? wi + 1 : wi] << (32 - o);
       q &= MASK;
-      out[k] = MODE == 1 ? fmaf(__half2float(x.s), static_cast<float>(q), __half2float(x.b)) : cb[q];
+      // Affine: q as a float through its bits (2^23 + q, exact, minus 2^23): a logic op and an add at
+      // full rate, where an int-to-float conversion (I2F) issues at 1/8 of it and bounds the loop.
+      out[k] = MODE == 1 ? fmaf(x_s, __uint_as_float(0x4B000000u | q) - 8388608.0f, x_b) : cb[q];
     }
-    return MODE == 1 ? 1.0f : __half2float(x.s);
+    return MODE == 1 ? 1.0f : x_s;
   }
 }
 
