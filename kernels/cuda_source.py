@@ -85,7 +85,7 @@ __device__ __forceinline__ float decode_slice(const Slice<MODE, BITS, D, DPL, RT
     return 1.0f;
   } else {
     constexpr uint32_t MASK = (1u << BITS) - 1u;
-    const float x_s = __half2float(x.s), x_b = __half2float(x.b);
+    const float x_s = __half2float(x.s), x_b = MODE == 1 ? __half2float(x.b) : 0.f;  // AURA has no bias
     const int off = (d0 * BITS) % 32;  // the lane's first bit inside w[0]
     uint32_t a[NW];                     // the lane's bits from bit 0 on (indices below are compile-time)
 #pragma unroll
@@ -137,7 +137,7 @@ __device__ __forceinline__ void fwht_shared(float* v, int rows) {
 # the value, so the two searches run side by side (a decode step encodes a few vectors, and its
 # latency is one part's, not two). Lane j holds dims [j * E, j * E + E) (E = D / 32, or 1 with D
 # lanes when D < 32). Reductions and the Walsh-Hadamard butterflies across lanes are warp
-# shuffles: no block barrier anywhere.
+# shuffles; the one block barrier follows the staging of the cell edges, before any warp leaves.
 ENCODE = r"""
   constexpr int E = D >= 32 ? D / 32 : 1;  // dims per lane
   constexpr int LANES = D / E;              // lanes holding dims

@@ -26,6 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CONTEXT_WARMUP = 4  # decode steps per stream before --context runs count tokens/s
 
 
 def busy_us(spans: list[tuple[float, float]]) -> float:
@@ -44,7 +45,9 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
     """One run of `batch` streams decoding `tokens` each under the profiler, after an untimed warm-up run.
 
     `context` 0: short random prompts (`ops.bench_batching`); else every stream starts from
-    `context` tokens of random K/V in a `scheme` cache (`ops.engine_fill`, as `ops.bench_kv`).
+    `context` tokens of random K/V in a `scheme` cache (`ops.engine_fill`, as `ops.bench_kv`) and
+    decodes `CONTEXT_WARMUP` more tokens: `tok_s` leaves those out, the per-step figures (all
+    steps profiled) do not.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -54,9 +57,9 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
 
     if context:  # the fill (encoder launches) happens before the profiler starts
         def run():
-            core, requests = filled_engine(loaded, scheme, [context] * batch, max_tokens=tokens + 4)
+            core, requests = filled_engine(loaded, scheme, [context] * batch, max_tokens=tokens + CONTEXT_WARMUP)
             mx.eval(core.cache.arrays)
-            return lambda: decode_rate(core, requests, warmup=4)
+            return lambda: decode_rate(core, requests, warmup=CONTEXT_WARMUP)
     else:
         prompts = prompts_for(batch, loaded.model.args.vocab_size, seed=batch)
         core = make_core(loaded, prompts, tokens, page_size=16)
@@ -77,7 +80,7 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
     spans = [(e.time_range.start, e.time_range.end) for e in kernels]
     busy, span = busy_us(spans), max(e for _, e in spans) - min(s for s, _ in spans)
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    tokens = tokens + 4 if context else tokens  # steps profiled (with context: 4 warm-up steps too)
+    tokens = tokens + CONTEXT_WARMUP if context else tokens  # steps profiled (with context, the warm-up's too)
     return {"tok_s": round(rate, 1), "wall_s": round(wall, 4), "kernels": len(kernels),
             "gpu_busy_us": round(busy, 1), "gpu_span_us": round(span, 1),
             "per_step_busy_us": round(busy / tokens, 1), "per_step_span_us": round(span / tokens, 1),
@@ -90,12 +93,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--random-model", default="llama-1b", choices=["llama-1b", "qwen3-1.7b"])
     parser.add_argument("--batch-sizes", default="1", type=lambda s: [int(x) for x in s.split(",")])
-    parser.add_argument("--tokens", type=int, default=64, help="decode tokens per stream (per-step figures divide by it)")
+    parser.add_argument("--tokens", type=int, default=64,
+                        help="decode tokens per stream (per-step figures divide by the steps profiled)")
     parser.add_argument("--top", type=int, default=40, help="kernel names kept, by total time")
     parser.add_argument("--kv-cache", default="raw", help="cache scheme (with --context)")
     parser.add_argument("--context", type=int, default=0, help="tokens of random K/V per stream before decode (0: short prompts)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.kv_cache != "raw" and not args.context:
+        parser.error("--kv-cache needs --context (short-prompt runs use the raw cache)")
     import torch
 
     from ops.bench_batching import random_model

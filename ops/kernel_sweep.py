@@ -106,8 +106,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--gpu-time", action="store_true",
                         help="time the kernels alone with CUPTI (needs PyTorch with CUDA), not the wall clock")
-    parser.add_argument("--out", default=str(RESULTS / "kernel_sweep_gpu.json"))
+    parser.add_argument("--out", help="JSON path (default ops/results/kernel_sweep_gpu.json, _cupti with --gpu-time)")
     args = parser.parse_args()
+    args.out = args.out or str(RESULTS / ("kernel_sweep_gpu_cupti.json" if args.gpu_time else "kernel_sweep_gpu.json"))
     if args.gpu_time:
         import torch
 
