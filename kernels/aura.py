@@ -127,6 +127,11 @@ def pack_bits(values: mx.array, bits: int) -> mx.array:
 def unpack_bits(packed: mx.array, bits: int, count: int | None = None) -> mx.array:
     """Inverse of `pack_bits`.
 
+    Value i starts at bit `i * bits` of the stream: it is word `i * bits // 32` shifted right,
+    with the next word's low bits added when it spills over. Both words are gathered with
+    `take_along_axis` (MLX's GatherAxis; on the CPU 1-10x faster than the block shifts this
+    replaced, most at widths that do not divide 32).
+
     Args:
         packed: uint32 `[..., words]`.
         bits: Width of each value, 1..10.
@@ -135,16 +140,22 @@ def unpack_bits(packed: mx.array, bits: int, count: int | None = None) -> mx.arr
     Returns:
         uint32 `[..., count]` with values in `[0, 2**bits)`.
     """
-    left, right, touches = _block_plan(bits)
-    words_per_block, values_per_block = left.shape
     *lead, words = packed.shape
     count = words * _WORD_BITS // bits if count is None else count
-    num_blocks = -(-words // words_per_block)
-    if num_blocks * words_per_block != words:
-        packed = mx.pad(packed, [(0, 0)] * len(lead) + [(0, num_blocks * words_per_block - words)])
-    blocks = packed.reshape(*lead, num_blocks, words_per_block, 1)
-    values = (((blocks >> left) << right) * touches).sum(axis=-2) & ((1 << bits) - 1)
-    return values.reshape(*lead, num_blocks * values_per_block)[..., :count]
+    rows = math.prod(lead)
+    start = np.arange(count) * bits
+    first, shift = start // _WORD_BITS, start % _WORD_BITS
+    flat = packed.reshape(rows, words)
+
+    def word(index: np.ndarray) -> mx.array:  # [rows, count]: word `index[i]` of each row
+        return mx.take_along_axis(flat, mx.broadcast_to(mx.array(index.astype(np.uint32))[None], (rows, count)), axis=1)
+
+    values = word(first) >> mx.array(shift.astype(np.uint32))
+    spill = shift + bits > _WORD_BITS
+    if spill.any():
+        high = word(np.minimum(first + 1, words - 1)) << mx.array(((_WORD_BITS - shift) % _WORD_BITS).astype(np.uint32))
+        values = values | high * mx.array(spill.astype(np.uint32))
+    return (values & ((1 << bits) - 1)).reshape(*lead, count)
 
 
 def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> AuraCodes:
