@@ -129,8 +129,8 @@ def unpack_bits(packed: mx.array, bits: int, count: int | None = None) -> mx.arr
 
     Value i starts at bit `i * bits` of the stream: it is word `i * bits // 32` shifted right,
     with the next word's low bits added when it spills over. Both words are gathered with
-    `take_along_axis` (MLX's GatherAxis; on the CPU 1-10x faster than the block shifts this
-    replaced, most at widths that do not divide 32).
+    `take_along_axis` (MLX's GatherAxis; on the CPU up to 10x faster than shifting whole blocks
+    of words as `pack_bits` does, most at widths that do not divide 32).
 
     Args:
         packed: uint32 `[..., words]`.
