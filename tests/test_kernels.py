@@ -410,6 +410,19 @@ def test_aura_lookup_equals_codebook_of_reference_packed_indices(bits, lead, cou
     np.testing.assert_array_equal(np.array(out), np.array(lloyd_max_codebook(bits), np.float32)[values])
 
 
+@pytest.mark.parametrize("bits", range(1, 11))
+def test_encoder_cell_search_counts_edges_below_like_numpy_searchsorted(bits):
+    """The encoder's branchless search gives NumPy's `searchsorted(edges, u, "left")`, edges themselves included."""
+    from kernels.aura import _cells_of
+
+    edges = np.array(gain_cells(bits)[0])
+    rng = np.random.default_rng(bits)
+    u = np.concatenate([rng.standard_normal(4000) * 2, edges, np.nextafter(edges, np.inf), [-1e30, 1e30, 0.0]])
+    u = np.concatenate([u, np.zeros(-len(u) % 8)]).astype(np.float32).reshape(-1, 8)
+    got = np.array(_cells_of(bits, mx.array(u)))
+    np.testing.assert_array_equal(got, np.searchsorted(edges, u, side="left"))
+
+
 # --------------------------------------------------------------------------- AURA
 
 
