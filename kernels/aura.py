@@ -143,19 +143,35 @@ def unpack_bits(packed: mx.array, bits: int, count: int | None = None) -> mx.arr
     *lead, words = packed.shape
     count = words * _WORD_BITS // bits if count is None else count
     rows = math.prod(lead)
+    flat = packed.reshape(rows, words)
+    first, shift, spill = _unpack_plan(bits, count, words)
+
+    def word(index: mx.array) -> mx.array:  # [rows, count]: word `index[i]` of each row
+        return mx.take_along_axis(flat, mx.broadcast_to(index, (rows, count)), axis=1)
+
+    values = word(first) >> shift
+    if spill is not None:
+        following, left, spills = spill
+        values = values | (word(following) << left) * spills
+    return (values & ((1 << bits) - 1)).reshape(*lead, count)
+
+
+@functools.lru_cache(maxsize=None)
+def _unpack_plan(bits: int, count: int, words: int):
+    """uint32 `[1, count]` arrays for `unpack_bits`: each value's word and right shift, and, when some
+    value spills into the next word, (that word, the left shift putting its low bits above the first
+    word's, 1 where the value spills and 0 elsewhere), else None. Shifts stay below 32."""
     start = np.arange(count) * bits
     first, shift = start // _WORD_BITS, start % _WORD_BITS
-    flat = packed.reshape(rows, words)
 
-    def word(index: np.ndarray) -> mx.array:  # [rows, count]: word `index[i]` of each row
-        return mx.take_along_axis(flat, mx.broadcast_to(mx.array(index.astype(np.uint32))[None], (rows, count)), axis=1)
+    def as_row(a: np.ndarray) -> mx.array:
+        return mx.array(a.astype(np.uint32))[None]
 
-    values = word(first) >> mx.array(shift.astype(np.uint32))
-    spill = shift + bits > _WORD_BITS
-    if spill.any():
-        high = word(np.minimum(first + 1, words - 1)) << mx.array(((_WORD_BITS - shift) % _WORD_BITS).astype(np.uint32))
-        values = values | high * mx.array(spill.astype(np.uint32))
-    return (values & ((1 << bits) - 1)).reshape(*lead, count)
+    spills = shift + bits > _WORD_BITS
+    if not spills.any():
+        return as_row(first), as_row(shift), None
+    return as_row(first), as_row(shift), (as_row(np.minimum(first + 1, words - 1)),
+                                          as_row((_WORD_BITS - shift) % _WORD_BITS), as_row(spills))
 
 
 def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> AuraCodes:

@@ -307,8 +307,8 @@ def _decode_part(part: PartFormat, codes: mx.array, meta: mx.array, dim: int) ->
 
 @functools.lru_cache(maxsize=None)
 def _byte_table(bits: int) -> mx.array:
-    """Centroids of every byte of codes (bits dividing 8), float32 `[256, 8 / bits]`; as complex64
-    `[256, 4 / bits]` (pairs of centroids, one gathered element each) when 8 / bits is even."""
+    """Centroids of every byte of codes (bits dividing 8): float32 `[256, 1]` at 8 bits, else complex64
+    `[256, 4 / bits]` (pairs of centroids, one gathered element each)."""
     per = 8 // bits
     byte = np.arange(256, dtype=np.int64)[:, None]
     index = (byte >> (bits * np.arange(per))[None, :]) & ((1 << bits) - 1)
@@ -331,15 +331,9 @@ def aura_lookup(codes: mx.array, bits: int, dim: int | None = None) -> mx.array:
         out = mx.take_along_axis(aura_codebook(bits)[None], index.reshape(rows, index.shape[-1]), axis=1)
         return out.reshape(*lead, index.shape[-1])
     byte = mx.view(mx.contiguous(codes), mx.uint8).reshape(rows, 4 * words)
-    table = _byte_table(bits)
-    if table.dtype == mx.float32:
-        out = mx.take_along_axis(table.reshape(1, 256), byte, axis=1)
-    elif table.shape[1] == 1:
-        out = mx.view(mx.take_along_axis(table.reshape(1, 256), byte, axis=1), mx.float32)
-    else:
-        index = mx.broadcast_to(byte[..., None], (rows, 4 * words, table.shape[1]))
-        out = mx.view(mx.take_along_axis(table[None], index, axis=1), mx.float32)
-    out = out.reshape(*lead, 32 // bits * words)
+    table = _byte_table(bits)  # [256, k]
+    index = mx.broadcast_to(byte[..., None], (rows, 4 * words, table.shape[1]))
+    out = mx.view(mx.take_along_axis(table[None], index, axis=1), mx.float32).reshape(*lead, 32 // bits * words)
     return out if dim is None or dim == out.shape[-1] else out[..., :dim]
 
 
