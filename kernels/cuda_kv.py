@@ -24,7 +24,7 @@ MODES = {RAW: 0, AFFINE: 1, AURA: 2}
 NUM_SMS = 132  # H200; only sizes the split count
 _LOG2E = math.log2(math.e)
 _STATIC_SHARED_BYTES = 48 * 1024  # a kernel's static shared memory at most (CUDA)
-_ENCODE_WARPS = 4  # warps per block of the encoder (one per vector part; `sidx_all` in its source)
+_ENCODE_WARPS = 4  # warps per block of the encoder (one per vector part; `EW` in its source)
 _COMBINE_THREADS = 512  # the combine kernel's block at most (`NT` in its source)
 _MAX_SPLIT_PAGES = 256  # pages one split walks at most (its page ids sit in shared memory: `MAXPG`)
 
@@ -105,20 +105,30 @@ def encode_rows(fmt: LayerFormat, keys: mx.array, values: mx.array, key_mean: mx
     if not fmt.is_regular:
         raise ValueError(f"the CUDA kernels take regular formats only (kernels.paged_attention.uses_cuda), got {fmt}")
     batch, heads, length, head_dim = keys.shape
-    k_cells, v_cells = _cells(fmt.key), _cells(fmt.value)
-    odd = (fmt.key_meta_halves + fmt.value_meta_halves) % 2
+    inputs, template = encoder_args(fmt, head_dim, key_mean)
     (rows,) = _kernels()["encode"](
-        inputs=[keys, values, _signs(fmt.key, head_dim), _signs(fmt.value, head_dim), *k_cells, *v_cells,
-                _constant((0.0,), mx.float32) if key_mean is None else key_mean],
-        template=[("T", keys.dtype), ("D", head_dim), *_part_args("K", fmt.key), *_part_args("V", fmt.value),
-                  *_layout_args(fmt), ("PADMETA", bool(odd)), ("CENTER", key_mean is not None),
-                  ("NG", len(GAINS)), ("KNE", k_cells[0].size), ("VNE", v_cells[0].size)],
+        inputs=[keys, values, *inputs],
+        template=[("T", keys.dtype), *template, ("EW", _ENCODE_WARPS)],
         grid=(-(-2 * batch * heads * length // _ENCODE_WARPS) * 32 * _ENCODE_WARPS, 1, 1),
         threadgroup=(32 * _ENCODE_WARPS, 1, 1),
         output_shapes=[(batch, heads, length, fmt.row_words)],
         output_dtypes=[mx.uint32],
     )
     return rows
+
+
+def encoder_args(fmt: LayerFormat, head_dim: int, key_mean: mx.array | None) -> tuple[list, list]:
+    """The constant inputs (after K and V) and template arguments (after `T`) of a kernel that codes K/V rows
+    with `encode_part` (`ENCODE`, and `kernels.qkv_rope`'s fused kernel): rotation signs, gain cells, the key
+    mean (or a placeholder), widths and the row layout."""
+    k_cells, v_cells = _cells(fmt.key), _cells(fmt.value)
+    odd = (fmt.key_meta_halves + fmt.value_meta_halves) % 2
+    inputs = [_signs(fmt.key, head_dim), _signs(fmt.value, head_dim), *k_cells, *v_cells,
+              _constant((0.0,), mx.float32) if key_mean is None else key_mean]
+    template = [("D", head_dim), *_part_args("K", fmt.key), *_part_args("V", fmt.value), *_layout_args(fmt),
+                ("PADMETA", bool(odd)), ("CENTER", key_mean is not None), ("NG", len(GAINS)),
+                ("KNE", k_cells[0].size), ("VNE", v_cells[0].size)]
+    return inputs, template
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +245,7 @@ def decode_attention(
 
 def _partial_warps(fmt: LayerFormat, group: int, lanes: int, wanted: int) -> int:
     """`wanted`, cut so the partial kernel's static shared memory fits (`PARTIAL`'s arrays): the query
-    `qs[G*D]`, codebooks `cbs[512]` (AURA), page ids `pids[MAXPG]`, and per softmax state (32 / lanes a
+    `qs[G*D]`, codebooks `cbs` (AURA: at most 512), page ids `pids[MAXPG]`, and per softmax state (32 / lanes a
     warp) the merge rows `sm_acc[G][D]` plus `sm_m[G]`, `sm_l[G]`, all 4 bytes each."""
     fixed = 4 * (group * fmt.head_dim + (512 if AURA in (fmt.key.kind, fmt.value.kind) else 1) + _MAX_SPLIT_PAGES)
     per_warp = 4 * (32 // lanes) * group * (fmt.head_dim + 2)
@@ -258,10 +268,11 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     Few rows (`rows < NUM_SMS`, e.g. one stream at 32K): the history is split across every SM four
     times over, loops are short, and loads right before their math measured best; head_dim 64 (GQA 4)
     wants two tokens in flight per lane and the query in shared memory, head_dim 128 (GQA 2) 16 dims
-    per lane, one token at a time, the query in registers. Four waves of blocks rather than two: in a
-    CUPTI sweep of 1 x 8K and 1 x 32K (`ops/kernel_sweep.py --gpu-time`,
-    `ops/results/kernel_sweep_gpu_cupti.json`) four beat two in all 14 cases (raw, affine4, AURA;
-    head_dim 64 and 128, each at its own unroll), by 3-60%. Many rows (32 streams x 8K): each block
+    per lane, one token at a time, the query in registers. Four waves of blocks rather than two: a
+    CUPTI sweep of 1 x 8K and 1 x 32K (`ops/results/kernel_sweep_gpu_cupti.json`) had four ahead in all
+    14 cases, but it timed independent chains the GPU overlapped; the engine's own profile agrees
+    (attention at 1 x 8K llama, raw: 627 us a step at two waves, 513 at four with the staging changes,
+    `ops/results/gpu_time_llama-1b_8k_prologue.json`). Many rows (32 streams x 8K): each block
     walks a long row and load latency bounds it, so the next tile is prefetched, one token per lane
     at a time, the query in registers; 8 dims per lane at head_dim 64, 16 at 128 (through the
     engine, raw qwen3 32 x 8K decoded 2536 tok/s with 8, 3346 with 16).

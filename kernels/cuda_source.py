@@ -1,16 +1,18 @@
 """CUDA sources of the KV kernels (compiled at first use by `mx.fast.cuda_kernel`, NVRTC).
 
 Three kernels, all reading and writing the row format of `kernels.kv_format`:
-- `ENCODE`: K and V vectors of one (token, head) -> one compressed row (AURA: rotate with a
+- `ENCODE`: K and V vectors of one (token, head) -> one compressed row, one warp a part
+  (`encode_part` in `HEADER`, which `kernels.qkv_rope`'s fused kernel shares. AURA: rotate with a
   fast Walsh-Hadamard transform in warp shuffles, Lloyd-Max search over the gains of
   `kernels.aura.GAINS`, pack, norm-corrected scale;
   affine: MLX's CPU `mx.quantize` rule exactly: min/max, edge snapped to the grid, `rint`).
 - `PARTIAL`: split-K decode attention ("flash-decoding"): one block per (split, kv head, row)
   walks its tokens through the row's page table, reads each K/V row once for all G query
   heads of its kv head (GQA), unpacks codes in registers (bit widths 2..8), and writes
-  (acc, max, sum-exp) per split. AURA queries are rotated in shared memory first. Loads land
-  in registers as raw words and are decoded at use; with `PREFETCH` (launches of many rows,
-  whose blocks walk long rows) the next tile's loads are issued before this tile's math.
+  (acc, max, sum-exp) per split. The first tile's loads are issued before the query is staged
+  (AURA queries rotated by warp shuffles, one warp a query head). Loads land in registers as raw
+  words and are decoded at use; with `PREFETCH` (launches of many rows, whose blocks walk long
+  rows) the next tile's loads are issued before this tile's math.
 - `COMBINE`: merges the splits (and a learned attention sink), divides, and un-rotates AURA
   values in shared memory.
 
@@ -111,6 +113,33 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: 2 ulp, flu
   return y;
 }
 
+// In-place unnormalised Walsh-Hadamard transform (Sylvester order) of one vector of length
+// LANES * E held by a warp, lane j holding dims [j * E, j * E + E): butterflies inside a lane
+// (dims len < E apart), then across lanes by shuffles (dims off * E apart). Every lane of the
+// warp must call it; lanes >= LANES (D < 32) pair among themselves and hold nothing of the vector.
+template <int E, int LANES>
+__device__ __forceinline__ void fwht_warp(float (&x)[E], int lane) {
+#pragma unroll
+  for (int len = 1; len < E; len <<= 1) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      if ((e & len) == 0) {
+        const float a0 = x[e], a1 = x[e + len];
+        x[e] = a0 + a1;
+        x[e + len] = a0 - a1;
+      }
+    }
+  }
+#pragma unroll
+  for (int off = 1; off < LANES; off <<= 1) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const float y = __shfl_xor_sync(0xffffffffu, x[e], off);
+      x[e] = (lane & off) ? y - x[e] : x[e] + y;
+    }
+  }
+}
+
 // In-place unnormalised Walsh-Hadamard transform (Sylvester order) of `rows` vectors of
 // length D in shared memory; every thread of the block must call it.
 template <int D>
@@ -126,6 +155,115 @@ __device__ __forceinline__ void fwht_shared(float* v, int rows) {
     }
   }
   __syncthreads();
+}
+
+// Codes one part (K or V) of one vector held by a warp, lane j holding dims [j * E, j * E + E) of x
+// (E = D / 32, or 1 with D lanes when D < 32; other lanes hold zeros). AURA: sign flips, a
+// Walsh-Hadamard rotation, then the gain search over the part's cells (`edges` [ne], best in shared
+// memory; `cents`, `index`: `kernels.aura.gain_cells`); affine: MLX's CPU rule. Writes the
+// D * BITS / 32 code words and the meta halves (affine: D / GS scales, then D / GS biases; AURA: the
+// scale). `sidx` [D]: the warp's scratch. Every lane of the warp must call it.
+template <int MODE, int BITS, int GS, int D, int NG>
+__device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], int lane, const float* sign,
+                                            const float* edges, int ne, const float* cents,
+                                            const uint32_t* index, uint32_t* sidx, uint32_t* codes,
+                                            __half* meta) {
+  constexpr int E = D >= 32 ? D / 32 : 1;  // dims per lane
+  constexpr int LANES = D / E;              // lanes holding dims
+  const bool live = lane < LANES;
+  uint32_t q[E];
+  if constexpr (MODE == 2) {  // AURA
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      ss = fmaf(x[e], x[e], ss);
+      x[e] *= live ? sign[lane * E + e] : 0.f;
+    }
+    fwht_warp<E, LANES>(x, lane);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    const float norm = sqrtf(ss);
+    // Gain search (kernels.aura): one search over the part's cells (edges where some gain's code
+    // changes) gives every gain's code of u; the vector keeps the gain whose codes are closest
+    // in angle to u (the first on a tie). Every gain's loads are independent, and xor
+    // reductions leave every lane the same sums, so all lanes agree on the gain.
+    int cell[E];
+    float cu[NG], cc[NG];
+#pragma unroll
+    for (int g = 0; g < NG; ++g) { cu[g] = 0.f; cc[g] = 0.f; }
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      x[e] = norm > 0.f ? x[e] / norm : 0.f;  // u = sqrt(D) * (H s x / sqrt(D)) / |x|
+      int lo = 0, hi = ne;  // count of edges < u (ties go to the lower cell)
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (edges[mid] < x[e]) lo = mid + 1; else hi = mid;
+      }
+      cell[e] = lo;
+#pragma unroll
+      for (int g = 0; g < NG; ++g) {
+        const float c = live ? cents[lo * NG + g] : 0.f;
+        cu[g] = fmaf(c, x[e], cu[g]);
+        cc[g] = fmaf(c, c, cc[g]);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+      for (int g = 0; g < NG; ++g) {
+        cu[g] += __shfl_xor_sync(0xffffffffu, cu[g], off);
+        cc[g] += __shfl_xor_sync(0xffffffffu, cc[g], off);
+      }
+    }
+    int best = 0;
+    float best_score = cu[0] * fabsf(cu[0]) / cc[0], best_cc = cc[0];
+#pragma unroll
+    for (int g = 1; g < NG; ++g) {
+      const float score = cu[g] * fabsf(cu[g]) / cc[g];
+      if (score > best_score) { best = g; best_score = score; best_cc = cc[g]; }
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) q[e] = index[cell[e] * NG + best];
+    if (lane == 0) meta[0] = __float2half(norm / sqrtf(best_cc));
+  } else {  // affine, MLX's CPU rule (mlx/backend/cpu/quantized.cpp `quantize`)
+    float lo = INFINITY, hi = -INFINITY;
+#pragma unroll
+    for (int e = 0; e < E; ++e) { lo = fminf(lo, x[e]); hi = fmaxf(hi, x[e]); }
+    for (int off = 1; off < GS / E && off < 32; off <<= 1) {  // the lanes of this lane's group
+      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
+      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
+    }
+    const float n_bins = (float)((1 << BITS) - 1);
+    const bool side = fabsf(lo) > fabsf(hi);
+    float scale = fmaxf((hi - lo) / n_bins, 1e-7f);
+    scale = side ? scale : -scale;
+    const float edge = side ? lo : hi;
+    const float q0 = rintf(edge / scale);
+    float bias = 0.f;
+    if (q0 != 0.f) { scale = edge / q0; bias = edge; }
+#pragma unroll
+    for (int e = 0; e < E; ++e) q[e] = (uint32_t)fminf(fmaxf(rintf((x[e] - bias) / scale), 0.f), n_bins);
+    const int d0 = lane * E;
+    if (live && d0 % GS == 0) {
+      meta[d0 / GS] = __float2half(scale);
+      meta[D / GS + d0 / GS] = __float2half(bias);
+    }
+  }
+  if (live) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) sidx[lane * E + e] = q[e];
+  }
+  __syncwarp();
+  for (int w = lane; w < D * BITS / 32; w += 32) {  // word w of the bit stream
+    uint32_t word = 0;
+    const int first = (32 * w) / BITS, last = (32 * w + 31) / BITS;
+    for (int i = first; i <= last && i < D; ++i) {
+      const int shift = i * BITS - 32 * w;
+      word |= shift >= 0 ? (sidx[i] << shift) : (sidx[i] >> (-shift));
+    }
+    codes[w] = word;
+  }
+  __syncwarp();
 }
 """
 
@@ -145,151 +283,38 @@ ENCODE = r"""
   const int gw = blockIdx.x * (blockDim.x / 32) + warp, n = gw / 2, mine = gw % 2;
   const int H = k_shape[1], L = k_shape[2];
   // Both parts' cell edges in shared memory: the binary search below then waits on no global load.
+  // Unrolled (EW warps a block), so a thread's loads are all in flight before its first store.
   __shared__ float sedges[KNE + VNE];
-  for (int i = threadIdx.x; i < KNE + VNE; i += blockDim.x) sedges[i] = i < KNE ? kedges[i] : vedges[i - KNE];
+#pragma unroll
+  for (int j = 0; j < (KNE + VNE + 32 * EW - 1) / (32 * EW); ++j) {
+    const int i = threadIdx.x + j * 32 * EW;
+    if (i < KNE + VNE) sedges[i] = i < KNE ? kedges[i] : vedges[i - KNE];
+  }
   __syncthreads();
   if (n >= k_shape[0] * H * L) return;  // no block barrier follows: warps leave independently
   const int b = n / (H * L), h = (n / L) % H, l = n % L;
   const bool live = lane < LANES;
-  __shared__ uint32_t sidx_all[4][D];  // blockDim.x <= 128
+  __shared__ uint32_t sidx_all[EW][D];
   uint32_t* sidx = sidx_all[warp];
   uint32_t* row = out + (size_t)n * ROWW;
   __half* meta = reinterpret_cast<__half*>(row + MOFF);
+  const bool is_key = mine == 0;  // warp-uniform
+  const T* src = is_key ? k : v;
+  const int64_t* st = is_key ? k_strides.data() : v_strides.data();
+  float x[E];
 #pragma unroll
-  for (int part = 0; part < 2; ++part) {
-    if (part != mine) continue;  // warp-uniform; each unrolled part keeps compile-time widths
-    const int MODE = part == 0 ? KMODE : VMODE;
-    const int BITS = part == 0 ? KBITS : VBITS;
-    const int GS = part == 0 ? KGS : VGS;
-    const T* src = part == 0 ? k : v;
-    const int64_t* st = part == 0 ? k_strides.data() : v_strides.data();
-    uint32_t* codes = row + (part == 0 ? 0 : KWORDS);
-    __half* pmeta = meta + (part == 0 ? 0 : KMH);
-    float x[E];
-    uint32_t q[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int d = lane * E + e;
-      x[e] = live ? static_cast<float>(src[b * st[0] + h * st[1] + l * st[2] + d * st[3]]) : 0.f;
-      if (CENTER && part == 0 && live) x[e] -= kmean[h * D + d];
-    }
-    if (MODE == 2) {  // AURA
-      const float* sign = part == 0 ? ksign : vsign;
-      float ss = 0.f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        ss = fmaf(x[e], x[e], ss);
-        x[e] *= live ? sign[lane * E + e] : 0.f;
-      }
-#pragma unroll
-      for (int len = 1; len < E; len <<= 1) {  // butterflies inside a lane
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          if ((e & len) == 0) {
-            const float a0 = x[e], a1 = x[e + len];
-            x[e] = a0 + a1;
-            x[e + len] = a0 - a1;
-          }
-        }
-      }
-#pragma unroll
-      for (int off = 1; off < LANES; off <<= 1) {  // butterflies across lanes (dims len = off * E apart)
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          const float y = __shfl_xor_sync(0xffffffffu, x[e], off);
-          x[e] = (lane & off) ? y - x[e] : x[e] + y;
-        }
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-      const float norm = sqrtf(ss);
-      // Gain search (kernels.aura): one search over the part's cells (edges where some gain's code
-      // changes) gives every gain's code of u; the vector keeps the gain whose codes are closest
-      // in angle to u (the first on a tie). Every gain's loads are independent, and xor
-      // reductions leave every lane the same sums, so all lanes agree on the gain.
-      const float* edges = part == 0 ? sedges : sedges + KNE;
-      const float* cents = part == 0 ? kcents : vcents;
-      const int ne = part == 0 ? KNE : VNE;
-      int cell[E];
-      float cu[NG], cc[NG];
-#pragma unroll
-      for (int g = 0; g < NG; ++g) { cu[g] = 0.f; cc[g] = 0.f; }
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        x[e] = norm > 0.f ? x[e] / norm : 0.f;  // u = sqrt(D) * (H s x / sqrt(D)) / |x|
-        int lo = 0, hi = ne;  // count of edges < u (ties go to the lower cell)
-        while (lo < hi) {
-          const int mid = (lo + hi) >> 1;
-          if (edges[mid] < x[e]) lo = mid + 1; else hi = mid;
-        }
-        cell[e] = lo;
-#pragma unroll
-        for (int g = 0; g < NG; ++g) {
-          const float c = live ? cents[lo * NG + g] : 0.f;
-          cu[g] = fmaf(c, x[e], cu[g]);
-          cc[g] = fmaf(c, c, cc[g]);
-        }
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-#pragma unroll
-        for (int g = 0; g < NG; ++g) {
-          cu[g] += __shfl_xor_sync(0xffffffffu, cu[g], off);
-          cc[g] += __shfl_xor_sync(0xffffffffu, cc[g], off);
-        }
-      }
-      int best = 0;
-      float best_score = cu[0] * fabsf(cu[0]) / cc[0], best_cc = cc[0];
-#pragma unroll
-      for (int g = 1; g < NG; ++g) {
-        const float score = cu[g] * fabsf(cu[g]) / cc[g];
-        if (score > best_score) { best = g; best_score = score; best_cc = cc[g]; }
-      }
-      const uint32_t* index = part == 0 ? kindex : vindex;
-#pragma unroll
-      for (int e = 0; e < E; ++e) q[e] = index[cell[e] * NG + best];
-      if (lane == 0) pmeta[0] = __float2half(norm / sqrtf(best_cc));
-    } else {  // affine, MLX's CPU rule (mlx/backend/cpu/quantized.cpp `quantize`)
-      float lo = INFINITY, hi = -INFINITY;
-#pragma unroll
-      for (int e = 0; e < E; ++e) { lo = fminf(lo, x[e]); hi = fmaxf(hi, x[e]); }
-      for (int off = 1; off < GS / E && off < 32; off <<= 1) {  // the lanes of this lane's group
-        lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
-        hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
-      }
-      const float n_bins = (float)((1 << BITS) - 1);
-      const bool side = fabsf(lo) > fabsf(hi);
-      float scale = fmaxf((hi - lo) / n_bins, 1e-7f);
-      scale = side ? scale : -scale;
-      const float edge = side ? lo : hi;
-      const float q0 = rintf(edge / scale);
-      float bias = 0.f;
-      if (q0 != 0.f) { scale = edge / q0; bias = edge; }
-#pragma unroll
-      for (int e = 0; e < E; ++e) q[e] = (uint32_t)fminf(fmaxf(rintf((x[e] - bias) / scale), 0.f), n_bins);
-      const int d0 = lane * E;
-      if (live && d0 % GS == 0) {
-        pmeta[d0 / GS] = __float2half(scale);
-        pmeta[D / GS + d0 / GS] = __float2half(bias);
-      }
-    }
-    if (live) {
-#pragma unroll
-      for (int e = 0; e < E; ++e) sidx[lane * E + e] = q[e];
-    }
-    __syncwarp();
-    for (int w = lane; w < D * BITS / 32; w += 32) {  // word w of the bit stream
-      uint32_t word = 0;
-      const int first = (32 * w) / BITS, last = (32 * w + 31) / BITS;
-      for (int i = first; i <= last && i < D; ++i) {
-        const int shift = i * BITS - 32 * w;
-        word |= shift >= 0 ? (sidx[i] << shift) : (sidx[i] >> (-shift));
-      }
-      codes[w] = word;
-    }
-    __syncwarp();
+  for (int e = 0; e < E; ++e) {
+    const int d = lane * E + e;
+    x[e] = live ? static_cast<float>(src[b * st[0] + h * st[1] + l * st[2] + d * st[3]]) : 0.f;
+    if (CENTER && is_key && live) x[e] -= kmean[h * D + d];
   }
-  if (PADMETA && mine == 1 && lane == 0) meta[KMH + VMH] = __float2half(0.f);
+  if (is_key) {
+    encode_part<KMODE, KBITS, KGS, D, NG>(x, lane, ksign, sedges, KNE, kcents, kindex, sidx, row, meta);
+  } else {
+    encode_part<VMODE, VBITS, VGS, D, NG>(x, lane, vsign, sedges + KNE, VNE, vcents, vindex, sidx, row + KWORDS,
+                                          meta + KMH);
+  }
+  if (PADMETA && !is_key && lane == 0) meta[KMH + VMH] = __float2half(0.f);
 """
 
 PARTIAL = r"""
@@ -304,41 +329,25 @@ PARTIAL = r"""
   const int t_begin = split * tps;
   const int t_end = min(t_begin + tps, lens[b]);
 
-  constexpr bool NEEDCB = KMODE == 2 || VMODE == 2;  // AURA codebooks; affine and raw decode without one
-  __shared__ float cbs[NEEDCB ? 512 : 1];
+  constexpr int KCB = KMODE == 2 ? 1 << KBITS : 0, VCB = VMODE == 2 ? 1 << VBITS : 0;  // AURA centroids
+  __shared__ float cbs[KCB + VCB > 0 ? KCB + VCB : 1];
   __shared__ float qs[G * D];
   __shared__ int pids[MAXPG];  // the split's page ids: a K/V load then waits on no global read
-  if constexpr (NEEDCB) {
-    for (int i = threadIdx.x; i < 512; i += blockDim.x) cbs[i] = cb[i];
+#pragma unroll
+  for (int j = 0; j < (KCB + VCB + 32 * W - 1) / (32 * W); ++j) {  // unrolled: loads in flight together
+    const int i = threadIdx.x + j * 32 * W;
+    if (i < KCB + VCB) cbs[i] = i < KCB ? cb[i] : cb[256 + i - KCB];
   }
   const int* table = pt + (size_t)b * NP;
   const int pg0 = t_begin / P;  // t_begin is a whole number of pages
   for (int i = threadIdx.x; pg0 + i < (t_end + P - 1) / P; i += blockDim.x) pids[i] = table[pg0 + i];
-  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-    const float x = static_cast<float>(q[((size_t)(b * Hkv + h) * G) * D + i]);
-    qs[i] = ROTATE ? x * qsign[i % D] : x;
-  }
-  if (ROTATE) fwht_shared<D>(qs, G); else __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i] *= fparams[0];
   __syncthreads();
 
-  // QREG: each lane keeps its query slices in registers; else it reads them from shared memory
-  // (fewer registers, more resident warps).
-  float qv[QREG ? G : 1][QREG ? DPL : 1], acc[G][DPL], m[G], l[G];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -1e30f; l[g] = 0.f;
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) {
-      if constexpr (QREG) qv[g][i] = qs[g * D + d0 + i];
-      acc[g][i] = 0.f;
-    }
-  }
   using KS = Slice<KMODE, KBITS, D, DPL, RT>;
   using VS = Slice<VMODE, VBITS, D, DPL, RT>;
   // Tile = U tokens per lane group. PREFETCH: the loads of tile i + 1 are issued before the math
   // of tile i, two tiles of raw words per lane in flight (a block walking a whole long row is
-  // bound by load latency, not bandwidth); else each tile's loads come right before its math.
+  // bound by load latency, not bandwidth); else each tile's loads follow the last tile's math.
   auto token = [&](int base, int u) { return base + u * E + warp * TPW + sg; };  // this lane group's u-th token
   auto fetch = [&](int base, KS (&ks)[U], VS (&vs)[U]) {
 #pragma unroll
@@ -360,14 +369,52 @@ PARTIAL = r"""
       }
     }
   };
-  KS kcur[U], knext[U];
-  VS vcur[U], vnext[U];
-  if constexpr (PREFETCH) fetch(t_begin, kcur, vcur);
+  KS kcur[U];
+  VS vcur[U];
+  fetch(t_begin, kcur, vcur);  // the first tile's loads fly while the query is staged
+
+  // The query, scaled (and for AURA keys rotated: sign flips, then a Walsh-Hadamard transform in
+  // warp shuffles, one warp per query head) into shared memory.
+  const float q_scale = fparams[0];
+  const T* qrow = q + ((size_t)(b * Hkv + h) * G) * D;
+  if constexpr (ROTATE) {
+    constexpr int QE = D >= 32 ? D / 32 : 1, QL = D / QE;  // dims per lane, lanes holding dims
+    for (int g = warp; g < G; g += W) {  // warp-uniform: every lane takes part in the shuffles
+      float x[QE];
+#pragma unroll
+      for (int e = 0; e < QE; ++e) {
+        const int d = lane * QE + e;
+        x[e] = lane < QL ? static_cast<float>(qrow[g * D + d]) * qsign[d] : 0.f;
+      }
+      fwht_warp<QE, QL>(x, lane);
+      if (lane < QL) {
+#pragma unroll
+        for (int e = 0; e < QE; ++e) qs[g * D + lane * QE + e] = x[e] * q_scale;
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i] = static_cast<float>(qrow[i]) * q_scale;
+  }
+  __syncthreads();
+
+  // QREG: each lane keeps its query slices in registers; else it reads them from shared memory
+  // (fewer registers, more resident warps).
+  float qv[QREG ? G : 1][QREG ? DPL : 1], acc[G][DPL], m[G], l[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -1e30f; l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) {
+      if constexpr (QREG) qv[g][i] = qs[g * D + d0 + i];
+      acc[g][i] = 0.f;
+    }
+  }
   for (int base = t_begin; base < t_end; base += E * U) {
+    const int next = base + E * U;
+    KS knext[U];
+    VS vnext[U];
     if constexpr (PREFETCH) {
-      if (base + E * U < t_end) fetch(base + E * U, knext, vnext);
-    } else {
-      fetch(base, kcur, vcur);
+      if (next < t_end) fetch(next, knext, vnext);
     }
     float kx[U][DPL], vx[U][DPL], kf[U], vf[U];
     bool valid[U];
@@ -375,7 +422,7 @@ PARTIAL = r"""
     for (int u = 0; u < U; ++u) {
       valid[u] = token(base, u) < t_end;
       kf[u] = decode_slice<KMODE, KBITS, KGS, D, DPL, RT>(kcur[u], d0, cbs, kx[u]);
-      vf[u] = decode_slice<VMODE, VBITS, VGS, D, DPL, RT>(vcur[u], d0, cbs + 256, vx[u]);
+      vf[u] = decode_slice<VMODE, VBITS, VGS, D, DPL, RT>(vcur[u], d0, cbs + KCB, vx[u]);
     }
     float s[U][G];  // scores of the U tokens, then one max and one rescale for all of them
 #pragma unroll
@@ -415,6 +462,8 @@ PARTIAL = r"""
     if constexpr (PREFETCH) {
 #pragma unroll
       for (int u = 0; u < U; ++u) { kcur[u] = knext[u]; vcur[u] = vnext[u]; }
+    } else if (next < t_end) {
+      fetch(next, kcur, vcur);
     }
   }
 

@@ -26,57 +26,111 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import Llama3RoPE
 
 from kernels import cuda_kv
+from kernels.cuda_source import HEADER
+from kernels.kv_format import LayerFormat
+from kernels.paged_attention import uses_cuda
 
+# One block of D / 2 threads per head vector n = b * NV + j (NV = H + 2 * KV): j < H a query,
+# j < H + KV a key, else a value. Thread i holds elements i and i + D / 2. `KEY_OUT` / `VALUE_OUT`
+# (below) say where keys and values go: out as they are, or into shared memory `y` for `_ENCODE`.
 _SOURCE = r"""
-  // One block of D / 2 threads per head vector n = b * NV + j (NV = H + 2 * KV): j < H a query,
-  // j < H + KV a key, else a value. Thread i holds elements i and i + D / 2.
   constexpr int NT = D / 2;
   const int n = blockIdx.x, b = n / NV, j = n % NV, i = threadIdx.x;
   const bool is_q = j < H, is_k = !is_q && j < H + KV;
   const T* src = qkv + (size_t)n * D;
   float a = static_cast<float>(src[i]), c = static_cast<float>(src[i + NT]);
-  if (!is_q && !is_k) {  // a value head: copied
-    T* dst = vo + ((size_t)b * KV + (j - H - KV)) * D;
-    dst[i] = src[i];
-    dst[i + NT] = src[i + NT];
-    return;  // no barrier below is reached by a value block
-  }
   __shared__ float x[D];
   __shared__ float ss[NT];
-  if ((is_q && QNORM) || (is_k && KNORM)) {  // y = w * T(x * rsqrt(mean(x^2) + eps)), as MLX rounds
-    ss[i] = fmaf(a, a, c * c);
-    __syncthreads();
-    if (i == 0) {
-      float total = 0.f;
-      for (int k = 0; k < NT; ++k) total += ss[k];
-      ss[0] = rsqrtf(total / D + fp[is_q ? 2 : 3]);
+  __shared__ float y[ENC ? D : 1];  // ENC: this key's or value's elements, as rounded to T, to be coded
+  if (!is_q && !is_k) {  // a value head
+    VALUE_OUT
+  } else {
+    if ((is_q && QNORM) || (is_k && KNORM)) {  // y = w * T(x * rsqrt(mean(x^2) + eps)), as MLX rounds
+      ss[i] = fmaf(a, a, c * c);
+      __syncthreads();
+      if (i == 0) {
+        float total = 0.f;
+        for (int k = 0; k < NT; ++k) total += ss[k];
+        ss[0] = rsqrtf(total / D + fp[is_q ? 2 : 3]);
+      }
+      __syncthreads();
+      const float inv = ss[0];
+      const T* w = is_q ? qw : kw;
+      a = static_cast<float>(static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(a * inv))));
+      c = static_cast<float>(static_cast<T>(static_cast<float>(w[i + NT]) *
+                                            static_cast<float>(static_cast<T>(c * inv))));
     }
+    x[i] = a;
+    x[i + NT] = c;
     __syncthreads();
-    const float inv = ss[0];
-    const T* w = is_q ? qw : kw;
-    a = static_cast<float>(static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(a * inv))));
-    c = static_cast<float>(static_cast<T>(static_cast<float>(w[i + NT]) *
-                                          static_cast<float>(static_cast<T>(c * inv))));
-  }
-  x[i] = a;
-  x[i + NT] = c;
-  __syncthreads();
-  T* dst = is_q ? qo + ((size_t)b * H + j) * D : ko + ((size_t)b * KV + (j - H)) * D;
-  if (i < DIMS / 2) {  // pair i: (i, i + DIMS / 2), traditional (2i, 2i + 1)
-    const int i1 = TRAD ? 2 * i : i, i2 = TRAD ? 2 * i + 1 : i + DIMS / 2;
-    const float inv_freq = HAS_FREQS ? static_cast<float>(1.0 / static_cast<double>(freqs[i]))
-                                     : exp2f(-(static_cast<float>(i) / static_cast<float>(DIMS / 2)) * fp[1]);
-    const float theta = (fp[0] * static_cast<float>(pos[b])) * inv_freq;
-    const float ct = cosf(theta), st = sinf(theta);
-    const float x1 = x[i1], x2 = x[i2];
-    dst[i1] = static_cast<T>(x1 * ct - x2 * st);
-    dst[i2] = static_cast<T>(x1 * st + x2 * ct);
-  } else {  // past the rotated dims: two elements passed through
-    const int e = DIMS + 2 * (i - DIMS / 2);
-    dst[e] = static_cast<T>(x[e]);
-    dst[e + 1] = static_cast<T>(x[e + 1]);
+    T* dst = is_q ? qo + ((size_t)b * H + j) * D : KEY_OUT;
+    const bool to_y = ENC && !is_q;
+    if (i < DIMS / 2) {  // pair i: (i, i + DIMS / 2), traditional (2i, 2i + 1)
+      const int i1 = TRAD ? 2 * i : i, i2 = TRAD ? 2 * i + 1 : i + DIMS / 2;
+      const float inv_freq = HAS_FREQS ? static_cast<float>(1.0 / static_cast<double>(freqs[i]))
+                                       : exp2f(-(static_cast<float>(i) / static_cast<float>(DIMS / 2)) * fp[1]);
+      const float theta = (fp[0] * static_cast<float>(pos[b])) * inv_freq;
+      const float ct = cosf(theta), st = sinf(theta);
+      const float x1 = x[i1], x2 = x[i2];
+      const T r1 = static_cast<T>(x1 * ct - x2 * st), r2 = static_cast<T>(x1 * st + x2 * ct);
+      if (to_y) { y[i1] = static_cast<float>(r1); y[i2] = static_cast<float>(r2); } else { dst[i1] = r1; dst[i2] = r2; }
+    } else {  // past the rotated dims: two elements passed through
+      const int e = DIMS + 2 * (i - DIMS / 2);
+      const T r1 = static_cast<T>(x[e]), r2 = static_cast<T>(x[e + 1]);
+      if (to_y) { y[e] = static_cast<float>(r1); y[e + 1] = static_cast<float>(r2); } else { dst[e] = r1; dst[e + 1] = r2; }
+    }
   }
 """
+_PASS = {"VALUE_OUT": """T* dst = vo + ((size_t)b * KV + (j - H - KV)) * D;
+    dst[i] = src[i];
+    dst[i + NT] = src[i + NT];
+    return;  // no barrier below is reached by a value block""",
+         "KEY_OUT": "ko + ((size_t)b * KV + (j - H)) * D"}
+_CODE = {"VALUE_OUT": "y[i] = a;\n    y[i + NT] = c;", "KEY_OUT": "nullptr"}
+
+# `_SOURCE` with ENC: key and value blocks then code their vector into its cache row: warp 0 (D >= 64,
+# so D / 2 >= 32 threads) holds dims [lane * E, lane * E + E) of `y` (E = D / 32), subtracts the key mean
+# (CENTER), and runs `encode_part` (`kernels.cuda_source`), exactly as `ENCODE` does on the same
+# values: a key and a value of one row are coded by two blocks into disjoint words and halves.
+_ENCODE = r"""
+  if (is_q) return;  // block-uniform: no barrier follows for a query block
+  constexpr int MAXNE = KNE > VNE ? KNE : VNE;
+  __shared__ float sedges[MAXNE];
+  const int ne = is_k ? KNE : VNE;
+  const float* edges = is_k ? kedges : vedges;
+#pragma unroll
+  for (int u = 0; u < (MAXNE + NT - 1) / NT; ++u) {  // unrolled: a thread's loads fly together
+    const int t = i + u * NT;
+    if (t < ne) sedges[t] = edges[t];
+  }
+  __syncthreads();  // y and the cell edges staged
+  if (i >= 32) return;
+  constexpr int E = D / 32;
+  const int h = is_k ? j - H : j - H - KV;
+  float xe[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int d = i * E + e;
+    xe[e] = y[d];
+    if (CENTER && is_k) xe[e] -= kmean[h * D + d];
+  }
+  __shared__ uint32_t sidx[D];
+  uint32_t* row = rows + ((size_t)b * KV + h) * ROWW;
+  __half* meta = reinterpret_cast<__half*>(row + MOFF);
+  if (is_k) {
+    encode_part<KMODE, KBITS, KGS, D, NG>(xe, i, ksign, sedges, KNE, kcents, kindex, sidx, row, meta);
+  } else {
+    encode_part<VMODE, VBITS, VGS, D, NG>(xe, i, vsign, sedges, VNE, vcents, vindex, sidx, row + KWORDS, meta + KMH);
+    if (PADMETA && i == 0) meta[KMH + VMH] = __float2half(0.f);
+  }
+"""
+
+
+def _source(parts: dict[str, str]) -> str:
+    out = _SOURCE
+    for marker, text in parts.items():
+        out = out.replace(marker, text)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +169,16 @@ class RopeSpec:
 @functools.cache
 def _kernel():
     return mx.fast.cuda_kernel(name="bm_qkv_rope", input_names=["qkv", "pos", "freqs", "qw", "kw", "fp"],
-                               output_names=["qo", "ko", "vo"], source=_SOURCE)
+                               output_names=["qo", "ko", "vo"], source=_source(_PASS))
+
+
+@functools.cache
+def _encoding_kernel():
+    return mx.fast.cuda_kernel(
+        name="bm_qkv_rope_encode",
+        input_names=["qkv", "pos", "freqs", "qw", "kw", "fp", "ksign", "vsign", "kedges", "kcents", "kindex",
+                     "vedges", "vcents", "vindex", "kmean"],
+        output_names=["qo", "rows"], source=_source(_CODE) + _ENCODE, header=HEADER)
 
 
 @functools.cache
@@ -158,6 +221,79 @@ def split_qkv_rope(
         ValueError: qkv is not [B, (H + 2 KV) D], only one of the norms is given, a norm weight is in another
             dtype, or offset is an array of another shape than [B].
     """
+    batch, heads = _check(qkv, n_heads, n_kv_heads, head_dim, offset, q_norm, k_norm)
+    if not cuda_kv.is_available() or head_dim % 2 or rope.dims % 2 or rope.dims > head_dim:
+        x = qkv.reshape(batch, heads, 1, head_dim)
+        q, k, v = x[:, :n_heads], x[:, n_heads: n_heads + n_kv_heads], x[:, n_heads + n_kv_heads:]
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        return rope.apply(q, offset), rope.apply(k, offset), v
+    inputs, template = _rope_args(qkv, n_heads, n_kv_heads, head_dim, rope, offset, q_norm, k_norm)
+    return tuple(_kernel()(
+        inputs=inputs, template=[*template, ("ENC", False)],
+        grid=(batch * heads * (head_dim // 2), 1, 1), threadgroup=(head_dim // 2, 1, 1),
+        output_shapes=[(batch, n_heads, 1, head_dim), (batch, n_kv_heads, 1, head_dim),
+                       (batch, n_kv_heads, 1, head_dim)],
+        output_dtypes=[qkv.dtype] * 3,
+    ))
+
+
+def encodes(fmt: LayerFormat, head_dim: int, rope: RopeSpec) -> bool:
+    """Whether `split_qkv_rope_encode` serves a layer: MLX's CUDA backend, a compressed format the CUDA
+    kernels take (`kernels.paged_attention.uses_cuda`), head_dim >= 64 (a warp of the block codes each
+    vector), and a RoPE the kernel applies."""
+    return (not fmt.is_raw and uses_cuda(fmt) and fmt.key_dim == head_dim >= 64 and rope.dims % 2 == 0
+            and rope.dims <= head_dim)
+
+
+def split_qkv_rope_encode(
+    qkv: mx.array,
+    fmt: LayerFormat,
+    key_mean: mx.array | None,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    rope: RopeSpec,
+    offset: int | mx.array,
+    q_norm: nn.RMSNorm | None = None,
+    k_norm: nn.RMSNorm | None = None,
+) -> tuple[mx.array, mx.array]:
+    """`split_qkv_rope`, with the new keys and values coded into cache rows in the same launch.
+
+    The rows equal `kernels.cuda_kv.encode_rows(fmt, k, v, key_mean)` of the k and v `split_qkv_rope`
+    returns, bit for bit (the same values go through the same `encode_part`), one launch instead of two.
+
+    Args:
+        qkv, n_heads, n_kv_heads, head_dim, rope, offset, q_norm, k_norm: As `split_qkv_rope`.
+        fmt (LayerFormat): The layer's compressed format (`encodes` must hold).
+        key_mean (mx.array | None): float32 [n_kv_heads, 1, head_dim], row-contiguous: keys are coded
+            centered on it (`services.engine.cache.centering`); None: as they come.
+
+    Returns:
+        tuple: q [B, H, 1, D] (normalized, RoPE applied, qkv's dtype) and rows uint32 [B, KV, 1, row_words].
+
+    Raises:
+        ValueError: as `split_qkv_rope`, or a layer `encodes` does not serve.
+    """
+    batch, heads = _check(qkv, n_heads, n_kv_heads, head_dim, offset, q_norm, k_norm)
+    if not (cuda_kv.is_available() and encodes(fmt, head_dim, rope)):
+        raise ValueError(f"the fused q/k/v coding serves compressed regular formats on CUDA, head_dim >= 64; "
+                         f"got {fmt} at head_dim {head_dim}")
+    inputs, template = _rope_args(qkv, n_heads, n_kv_heads, head_dim, rope, offset, q_norm, k_norm)
+    code_inputs, code_template = cuda_kv.encoder_args(fmt, head_dim, key_mean)
+    q, rows = _encoding_kernel()(
+        inputs=[*inputs, *code_inputs],
+        template=[*template, ("ENC", True), *[arg for arg in code_template if arg[0] != "D"]],
+        grid=(batch * heads * (head_dim // 2), 1, 1), threadgroup=(head_dim // 2, 1, 1),
+        output_shapes=[(batch, n_heads, 1, head_dim), (batch, n_kv_heads, 1, fmt.row_words)],
+        output_dtypes=[qkv.dtype, mx.uint32],
+    )
+    return q, rows
+
+
+def _check(qkv, n_heads, n_kv_heads, head_dim, offset, q_norm, k_norm) -> tuple[int, int]:
+    """(B, heads in qkv) after `split_qkv_rope`'s argument checks (its Raises)."""
     heads = n_heads + 2 * n_kv_heads
     if qkv.ndim != 2 or qkv.shape[1] != heads * head_dim:
         raise ValueError(f"qkv must be [B, ({n_heads} + 2 * {n_kv_heads}) * {head_dim}], got {qkv.shape}")
@@ -169,23 +305,19 @@ def split_qkv_rope(
                          f"{k_norm.weight.dtype}")
     if isinstance(offset, mx.array) and offset.shape not in ((), (batch,)):
         raise ValueError(f"offset must be an int or int32 [{batch}], got shape {offset.shape}")
-    if not cuda_kv.is_available() or head_dim % 2 or rope.dims % 2 or rope.dims > head_dim:
-        x = qkv.reshape(batch, heads, 1, head_dim)
-        q, k, v = x[:, :n_heads], x[:, n_heads: n_heads + n_kv_heads], x[:, n_heads + n_kv_heads:]
-        if q_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        return rope.apply(q, offset), rope.apply(k, offset), v
+    return batch, heads
+
+
+def _rope_args(qkv, n_heads, n_kv_heads, head_dim, rope, offset, q_norm, k_norm) -> tuple[list, list]:
+    """The inputs and template arguments (but `ENC`) of the q/k/v kernels."""
+    batch = qkv.shape[0]
     norm = q_norm is not None
     pos = mx.full((batch,), offset, mx.int32) if not isinstance(offset, mx.array) or offset.ndim == 0 else offset
-    return tuple(_kernel()(
-        inputs=[qkv, pos if pos.dtype == mx.int32 else pos.astype(mx.int32), rope.freqs if rope.freqs is not None else _one(mx.float32),
-                q_norm.weight if norm else _one(qkv.dtype), k_norm.weight if norm else _one(qkv.dtype),
-                _params(rope.scale, rope.base, q_norm.eps if norm else 0.0, k_norm.eps if norm else 0.0)],
-        template=[("T", qkv.dtype), ("D", head_dim), ("H", n_heads), ("KV", n_kv_heads), ("NV", heads),
-                  ("DIMS", rope.dims), ("TRAD", rope.traditional), ("HAS_FREQS", rope.freqs is not None),
-                  ("QNORM", norm), ("KNORM", norm)],
-        grid=(batch * heads * (head_dim // 2), 1, 1), threadgroup=(head_dim // 2, 1, 1),
-        output_shapes=[(batch, n_heads, 1, head_dim), (batch, n_kv_heads, 1, head_dim),
-                       (batch, n_kv_heads, 1, head_dim)],
-        output_dtypes=[qkv.dtype] * 3,
-    ))
+    inputs = [qkv, pos if pos.dtype == mx.int32 else pos.astype(mx.int32),
+              rope.freqs if rope.freqs is not None else _one(mx.float32),
+              q_norm.weight if norm else _one(qkv.dtype), k_norm.weight if norm else _one(qkv.dtype),
+              _params(rope.scale, rope.base, q_norm.eps if norm else 0.0, k_norm.eps if norm else 0.0)]
+    template = [("T", qkv.dtype), ("D", head_dim), ("H", n_heads), ("KV", n_kv_heads),
+                ("NV", n_heads + 2 * n_kv_heads), ("DIMS", rope.dims), ("TRAD", rope.traditional),
+                ("HAS_FREQS", rope.freqs is not None), ("QNORM", norm), ("KNORM", norm)]
+    return inputs, template

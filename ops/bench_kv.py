@@ -114,19 +114,43 @@ def fill_random(caches: list, model, num_tokens: int, chunk: int) -> None:
             mx.eval(cache.state)
 
 
-def decode_rate(core, requests, warmup: int) -> float:
-    """Aggregate decode tokens/s after every stream has `warmup` tokens (prefill and warm-up excluded)."""
+def decode_rate(core, requests, warmup: int, host: dict | None = None) -> float:
+    """Aggregate decode tokens/s after every stream has `warmup` tokens (prefill and warm-up excluded).
+
+    `host` (optional) receives, over the timed part, the seconds the host spent building and launching
+    steps (`launch_s`: `ModelRunner.run`) and waiting for them (`wait_s`: `ModelRunner.collect`).
+    """
     for request in requests:
         core.add_request(request)
+    runner, spent = core.runner, {"launch_s": 0.0, "wait_s": 0.0}
+    run, collect = runner.run, runner.collect
+
+    def timed(fn, key):
+        def call(*args):
+            begin = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                spent[key] += time.perf_counter() - begin
+        return call
+
+    runner.run, runner.collect = timed(run, "launch_s"), timed(collect, "wait_s")
     counts, start, tokens = {r.request_id: 0 for r in requests}, None, 0
-    while core.has_unfinished():
-        for out in core.step():
-            counts[out.request_id] += len(out.new_token_ids)
-            if start is not None:
-                tokens += len(out.new_token_ids)
-        if start is None and min(counts.values()) >= warmup:
-            start = time.perf_counter()
-    return tokens / (time.perf_counter() - start)
+    try:
+        while core.has_unfinished():
+            for out in core.step():
+                counts[out.request_id] += len(out.new_token_ids)
+                if start is not None:
+                    tokens += len(out.new_token_ids)
+            if start is None and min(counts.values()) >= warmup:
+                start = time.perf_counter()
+                spent.update(launch_s=0.0, wait_s=0.0)
+    finally:
+        runner.run, runner.collect = run, collect
+    seconds = time.perf_counter() - start
+    if host is not None:
+        host.update({k: round(v, 4) for k, v in spent.items()}, timed_s=round(seconds, 4))
+    return tokens / seconds
 
 
 def decode_run(loaded, scheme: str, context: int, args) -> dict:
@@ -147,13 +171,15 @@ def decode_run(loaded, scheme: str, context: int, args) -> dict:
     kv_bytes = sum(core.cache.slots.nbytes(s.slot) for s in core.scheduler.sessions.values())
     capacity_bytes = sum(a.nbytes for a in core.cache.arrays)
     mx.reset_peak_memory()  # decode's peak: the fill's temporaries do not count
-    rate = decode_rate(core, requests, args.warmup)
+    host: dict = {}
+    rate = decode_rate(core, requests, args.warmup, host)
     peak = mx.get_peak_memory()
     del core, requests
     gc.collect()
     return {"scheme": scheme, "context_tokens": context, "streams": streams, "decode_tokens_per_s": rate,
             "kv_nbytes_after_fill": kv_bytes, "kv_bytes_per_token": kv_bytes / (context * streams),
-            "pool_bytes": capacity_bytes, "peak_memory_bytes": peak, "peak_over_weights_bytes": peak - weights}
+            "pool_bytes": capacity_bytes, "peak_memory_bytes": peak, "peak_over_weights_bytes": peak - weights,
+            "host": host}
 
 
 def run_decode(loaded, args) -> list[dict]:
@@ -169,7 +195,8 @@ def run_decode(loaded, args) -> list[dict]:
             row = max(done, key=lambda r: r["decode_tokens_per_s"])
             row = {**row, "peak_memory_bytes": max(r["peak_memory_bytes"] for r in done),
                    "peak_over_weights_bytes": max(r["peak_over_weights_bytes"] for r in done),
-                   "runs_tokens_per_s": [round(r["decode_tokens_per_s"], 1) for r in done]}
+                   "runs_tokens_per_s": [round(r["decode_tokens_per_s"], 1) for r in done],
+                   "runs_launch_share": [round(r["host"]["launch_s"] / r["host"]["timed_s"], 3) for r in done]}
             rows.append(row)
             print(json.dumps(row), flush=True)
     raw = {r["context_tokens"]: r["decode_tokens_per_s"] for r in rows if r["scheme"] == "raw"}

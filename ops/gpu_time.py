@@ -10,7 +10,7 @@ bound by GPU execution, not by the host's launches.
 Needs PyTorch with CUDA next to MLX's CUDA backend (PyTorch is not a buttermilk dependency):
 
     python -m ops.gpu_time --random-model llama-1b --batch-sizes 1,64
-    python -m ops.gpu_time --random-model llama-1b --kv-cache aura4v4 --context 8192 --batch-sizes 1,32
+    python -m ops.gpu_time --random-model llama-1b --kv-cache raw,aura4v4 --context 8192 --batch-sizes 1,32
 
 Writes JSON (default `ops/results/gpu_time_<model>.json`); not a test.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -73,20 +74,20 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
         rate = timed()
         wall = time.perf_counter() - t0
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    by_name = collections.defaultdict(lambda: [0, 0.0])
+    by_name = collections.defaultdict(list)  # kernel name -> each call's µs
     for e in kernels:
-        by_name[e.name[:90]][0] += 1
-        by_name[e.name[:90]][1] += e.device_time_total
+        by_name[e.name[:90]].append(e.device_time_total)
     spans = [(e.time_range.start, e.time_range.end) for e in kernels]
     busy, span = busy_us(spans), max(e for _, e in spans) - min(s for s, _ in spans)
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     tokens = tokens + CONTEXT_WARMUP if context else tokens  # steps profiled (with context, the warm-up's too)
     return {"tok_s": round(rate, 1), "wall_s": round(wall, 4), "kernels": len(kernels),
             "gpu_busy_us": round(busy, 1), "gpu_span_us": round(span, 1),
             "per_step_busy_us": round(busy / tokens, 1), "per_step_span_us": round(span / tokens, 1),
             "kernels_per_step": round(len(kernels) / tokens, 1),
-            "top": [{"name": name, "count": n, "us_total": round(us, 1), "us_per_step": round(us / tokens, 2)}
-                    for name, (n, us) in ranked]}
+            "top": [{"name": name, "count": len(us), "us_total": round(sum(us), 1),
+                     "us_per_step": round(sum(us) / tokens, 2), "us_median": round(statistics.median(us), 2),
+                     "us_max": round(max(us), 1)} for name, us in ranked]}
 
 
 def main() -> None:
@@ -96,7 +97,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64,
                         help="decode tokens per stream (per-step figures divide by the steps profiled)")
     parser.add_argument("--top", type=int, default=40, help="kernel names kept, by total time")
-    parser.add_argument("--kv-cache", default="raw", help="cache scheme (with --context)")
+    parser.add_argument("--kv-cache", default="raw", help="cache scheme, or several comma-separated (with --context)")
     parser.add_argument("--context", type=int, default=0, help="tokens of random K/V per stream before decode (0: short prompts)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -108,12 +109,14 @@ def main() -> None:
 
     torch.cuda.init()  # CUPTI needs a CUDA context of PyTorch's own
     loaded = random_model(args.random_model, "bfloat16")
-    result = {str(b): profile_batch(loaded, b, args.tokens, args.top, args.kv_cache, args.context)
-              for b in args.batch_sizes}
-    suffix = f"_{args.kv_cache}_{args.context}" if args.context else ""
+    schemes = args.kv_cache.split(",")
+    result = {scheme: {str(b): profile_batch(loaded, b, args.tokens, args.top, scheme, args.context)
+                       for b in args.batch_sizes} for scheme in schemes}
+    result = result[schemes[0]] if len(schemes) == 1 else result
+    suffix = f"_{args.kv_cache.replace(',', '-')}_{args.context}" if args.context else ""
     out = args.out or RESULTS / f"gpu_time_{args.random_model}{suffix}.json"
     out.write_text(json.dumps(result, indent=1))
-    print(json.dumps({b: {k: v for k, v in r.items() if k != "top"} for b, r in result.items()}, indent=1))
+    print(json.dumps(result, indent=1)[:4000])
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 For each model shape, scheme and (streams, context), builds one layer's worth of page pools per
 layer of the model (random codes, finite meta: the kernel's cost does not depend on the values),
 then times the model's attention layers back to back (every layer's pools are distinct, so the
-L2 cache does not hold them) for each tuning, best of `--repeats`. GPU time per decode step's
+L2 cache does not hold them) for each tuning, best of `--repeats` rounds over all tunings, each
+sample after `WARM_S` of back-to-back steps (steady GPU clocks). GPU time per decode step's
 attention is what it reports (ms), with the bytes each step reads and the bandwidth that implies.
 
     python -m ops.kernel_sweep                      # CUDA only; writes ops/results/kernel_sweep_gpu.json
@@ -28,6 +29,7 @@ from services.engine.cache.schemes import layer_format
 
 RESULTS = Path(__file__).parent / "results"
 PAGE = 16
+WARM_S = 0.2  # seconds of back-to-back steps before each sample
 # (name, layers, query heads, kv heads, head_dim)
 SHAPES = {"llama-1b": (16, 32, 8, 64), "qwen3-1.7b": (28, 16, 8, 128)}
 
@@ -45,7 +47,7 @@ def _pools(fmt, rows: int) -> tuple[mx.array, ...]:
 
 
 def layer_timer(fmt, shape, streams: int, context: int, gpu_time: bool = False):
-    """A function `(tuning, repeats, iters) -> ms` timing every layer's decode attention over fresh pools.
+    """A function `(tuning, iters) -> ms` timing every layer's decode attention over fresh pools.
 
     `gpu_time`: the partial and combine kernels' GPU time (CUPTI), not the wall clock with launches.
     """
@@ -59,34 +61,40 @@ def layer_timer(fmt, shape, streams: int, context: int, gpu_time: bool = False):
     q = mx.random.normal((streams, n_heads, 1, head_dim)).astype(mx.bfloat16)
     mx.eval(pools, table, lengths, q)
 
-    def step(tuning):
+    def steps(tuning, count: int):
+        """`count` decode steps' attention, chained: each layer's (and step's) query is the last output, so
+        the GPU runs one kernel at a time, as in a model (independent chains would overlap)."""
         out = q
-        for layer in pools:  # each layer's query depends on the last layer's output: serial, like a model
-            out = cuda_kv.decode_attention(out, fmt, layer, None, table, lengths, n_kv_heads=n_kv, page_size=PAGE,
-                                           scale=head_dim**-0.5, tuning=tuning)
+        for _ in range(count):
+            for layer in pools:
+                out = cuda_kv.decode_attention(out, fmt, layer, None, table, lengths, n_kv_heads=n_kv,
+                                               page_size=PAGE, scale=head_dim**-0.5, tuning=tuning)
         return out
 
-    def timed(tuning: Tuning, repeats: int, iters: int) -> float:
-        mx.eval(step(tuning))
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            mx.eval([step(tuning) for _ in range(iters)])
-            best = min(best, (time.perf_counter() - start) / iters)
-        return best * 1e3
+    def warm(tuning: Tuning) -> None:
+        """Keep the GPU busy for `WARM_S` first, so the sample runs at steady clocks (idle GPUs clock down)."""
+        end = time.perf_counter() + WARM_S
+        while time.perf_counter() < end:
+            mx.eval(steps(tuning, 4))
 
-    def gpu_timed(tuning: Tuning, repeats: int, iters: int) -> float:
-        """Kernel time alone (CUPTI through PyTorch's profiler), ms per step, best of `repeats`."""
+    def timed(tuning: Tuning, iters: int) -> float:
+        warm(tuning)
+        start = time.perf_counter()
+        mx.eval(steps(tuning, iters))
+        return (time.perf_counter() - start) / iters * 1e3
+
+    def gpu_timed(tuning: Tuning, iters: int) -> float:
+        """GPU busy time of the kernels (CUPTI through PyTorch's profiler; overlaps merged), ms per step."""
         from torch.profiler import ProfilerActivity, profile
 
-        mx.eval(step(tuning))
-        best = float("inf")
-        for _ in range(repeats):
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                mx.eval([step(tuning) for _ in range(iters)])
-            kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and "paged_decode" in e.name]
-            best = min(best, sum(e.device_time_total for e in kernels) / iters / 1e3)
-        return best
+        from ops.gpu_time import busy_us
+
+        warm(tuning)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            mx.eval(steps(tuning, iters))
+        spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type.name == "CUDA" and "paged_decode" in e.name]
+        return busy_us(spans) / iters / 1e3
 
     return gpu_timed if gpu_time else timed
 
@@ -103,7 +111,7 @@ def main() -> None:
     parser.add_argument("--query-in-registers", default="1")
     parser.add_argument("--prefetch", default="0,1")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=10, help="decode steps (all layers) per sample")
     parser.add_argument("--gpu-time", action="store_true",
                         help="time the kernels alone with CUPTI (needs PyTorch with CUDA), not the wall clock")
     parser.add_argument("--out", help="JSON path (default ops/results/kernel_sweep_gpu.json, _cupti with --gpu-time)")
@@ -123,13 +131,16 @@ def main() -> None:
         shape = SHAPES[model]
         streams, context = map(int, case.split("x"))
         fmt = layer_format(scheme, layer=0, dtype=mx.bfloat16, head_dim=shape[3])
-        timings, timed = {}, layer_timer(fmt, shape, streams, context, args.gpu_time)
-        for tuning in tunings:
-            try:
-                timings[tuning] = timed(tuning, args.repeats, args.iters)
-            except Exception as exc:  # a shape the kernel cannot compile (registers, shared memory)
-                timings[tuning] = float("nan")
-                print("skip", model, scheme, case, tuning, repr(exc)[:200], flush=True)
+        timings, timed = {t: float("inf") for t in tunings}, layer_timer(fmt, shape, streams, context, args.gpu_time)
+        for _ in range(args.repeats):  # round robin: drift in the GPU's clocks falls on every tuning alike
+            for tuning in tunings:
+                if timings[tuning] != timings[tuning]:
+                    continue
+                try:
+                    timings[tuning] = min(timings[tuning], timed(tuning, args.iters))
+                except Exception as exc:  # a shape the kernel cannot compile (registers, shared memory)
+                    timings[tuning] = float("nan")
+                    print("skip", model, scheme, case, tuning, repr(exc)[:200], flush=True)
         default = timings.get(cuda_kv.default_tuning(fmt, streams * shape[2]), float("nan"))  # nan: not swept
         best = min((t for t in timings if timings[t] == timings[t]), key=timings.get)
         read = shape[0] * streams * context * shape[2] * fmt.bytes_per_row

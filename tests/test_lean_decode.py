@@ -8,6 +8,7 @@ import pytest
 
 from services.engine import attention
 from services.engine.cache import CacheOptions
+from services.engine.cache import pool_rows
 from services.engine.cache.batched import BatchedKVCache
 from services.engine.cache.paged_layers import PagedLayerCache
 from services.engine.model.decode import LeanDecoder
@@ -27,7 +28,8 @@ def _tiny(family: str, **extra):
 
 
 def _both_forwards(model, scheme: str, prompt_lengths=(5, 17, 33)):
-    """Logits and written pools of one decode step over ragged rows: mlx-lm's forward, then the lean one."""
+    """Logits and first-layer pools of one decode step over ragged rows (mlx-lm's forward, then the lean one),
+    and the pool rows the step wrote."""
     cache = BatchedKVCache.for_model(model, CacheOptions(scheme=scheme, max_context=256), capacity_tokens=512,
                                      page_size=16, max_slots=4)
     rng = np.random.default_rng(0)
@@ -46,13 +48,14 @@ def _both_forwards(model, scheme: str, prompt_lengths=(5, 17, 33)):
     assert decoder is not None
     got = decoder(tokens, lean_caches)
     assert storage.arrays[0] is not cache.arrays[0]
-    return (np.array(want), np.array(cache.arrays[0])), (np.array(got), np.array(storage.arrays[0]))
+    written = np.array(batch.layers[0].index.write_rows)  # the pool rows the step wrote
+    return (np.array(want), np.array(cache.arrays[0])), (np.array(got), np.array(storage.arrays[0])), written
 
 
 @pytest.mark.parametrize("scheme", ["raw", "aura4v4", "affine4"])
 def test_default_model_lean_step_equals_mlx_lm_forward(default_model, scheme):
     fuse_projections(default_model.model)
-    (want, want_pool), (got, got_pool) = _both_forwards(default_model.model, scheme)
+    (want, want_pool), (got, got_pool), written = _both_forwards(default_model.model, scheme)
     assert got.shape == want.shape == (3, default_model.model.args.vocab_size)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
@@ -67,10 +70,24 @@ def test_default_model_lean_step_equals_mlx_lm_forward(default_model, scheme):
 def test_other_families_lean_step_equals_mlx_lm_forward(family, extra):
     model = _tiny(family, **extra)
     fuse_projections(model)
-    (want, want_pool), (got, got_pool) = _both_forwards(model, "raw")
+    (want, want_pool), (got, got_pool), written = _both_forwards(model, "raw")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_pool, want_pool, rtol=1e-6, atol=1e-6)
     assert np.abs(want_pool).sum() > 0  # the step wrote K/V (pages start zeroed)
+
+
+@pytest.mark.parametrize("scheme", ["affine4", "aura4v4", "aura8v4"])
+def test_compressed_lean_step_equals_mlx_lm_forward(scheme):
+    """head_dim 64, compressed caches: on CUDA the lean step codes k and v in its q/k/v launch
+    (`split_qkv_rope_encode`, `PagedLayerCache.store_rows`), mlx-lm's forward through the cache's encoder."""
+    model = _tiny("llama", tie_word_embeddings=True, head_dim=64)
+    fuse_projections(model)
+    (want, want_pool), (got, got_pool), written = _both_forwards(model, scheme)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # the same rows written; on CUDA the kernel's RoPE may round a key 1 ulp off mx.fast.rope's, which can move
+    # a coordinate sitting on a code threshold: a word or two of the step's 6 rows
+    assert np.all(np.abs(want_pool[written]).sum(-1) > 0)
+    assert np.mean(got_pool[written] == want_pool[written]) >= 0.95
 
 
 def test_llama3_rope_model_lean_step_equals_mlx_lm_forward():
@@ -78,7 +95,7 @@ def test_llama3_rope_model_lean_step_equals_mlx_lm_forward():
                "original_max_position_embeddings": 64}  # short, so positions here cross every band
     model = _tiny("llama", tie_word_embeddings=True, rope_scaling=scaling)
     fuse_projections(model)
-    (want, want_pool), (got, got_pool) = _both_forwards(model, "raw", prompt_lengths=(5, 70, 200))
+    (want, want_pool), (got, got_pool), written = _both_forwards(model, "raw", prompt_lengths=(5, 70, 200))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_pool, want_pool, rtol=1e-6, atol=1e-6)
 
@@ -110,3 +127,44 @@ def test_unfused_or_foreign_models_keep_their_own_forward():
     assert LeanDecoder.build(gemma.Model(gemma.ModelArgs(
         model_type="gemma3_text", hidden_size=64, num_hidden_layers=1, intermediate_size=96, num_attention_heads=2,
         head_dim=32, rms_norm_eps=1e-6, vocab_size=64, num_key_value_heads=1))) is None
+
+
+def test_store_rows_writes_what_update_and_fetch_writes():
+    """Coded rows handed to `store_rows` land where `update_and_fetch` puts the rows it codes itself."""
+    model = _tiny("llama", tie_word_embeddings=True, head_dim=64)
+    cache = BatchedKVCache.for_model(model, CacheOptions(scheme="aura4v4", max_context=256), capacity_tokens=512,
+                                     page_size=16, max_slots=4)
+    views = [cache.acquire() for _ in range(2)]
+    batch = cache.batch(views, 1)
+    spec, index = batch.layers[0].spec, batch.layers[0].index
+    rng = np.random.default_rng(5)
+    k, v = (mx.array(rng.standard_normal((2, 2, 1, 64)).astype(np.float32)) for _ in range(2))
+    written = []
+    for store in ("update_and_fetch", "store_rows"):
+        storage = cache.storage.with_arrays([mx.array(np.array(a)) for a in cache.arrays])
+        layer = PagedLayerCache(storage, 0, spec, index)
+        assert layer.encoded_format == spec.fmt
+        if store == "update_and_fetch":
+            layer.update_and_fetch(k, v)
+        else:
+            (rows,) = pool_rows.encode(spec.fmt, k, v, spec.key_mean)  # the encoder update_and_fetch runs here
+            layer.store_rows(rows)
+        written.append(np.array(storage.arrays[0]))
+    np.testing.assert_array_equal(written[0], written[1])
+    assert np.abs(written[0]).sum() > 0
+    for bad in (rows[:1], rows.reshape(2, 1, 2, -1), rows.astype(mx.int32)):
+        with pytest.raises(ValueError, match="planned for coded rows"):
+            PagedLayerCache(cache.storage, 0, spec, index).store_rows(bad)
+
+
+def test_raw_and_prompt_layers_take_no_coded_rows():
+    model = _tiny("llama", tie_word_embeddings=True, head_dim=64)
+    raw = BatchedKVCache.for_model(model, CacheOptions(scheme="raw", max_context=256), capacity_tokens=512,
+                                   page_size=16, max_slots=4)
+    layer = raw.batch([raw.acquire()], 1).layers[0]
+    assert layer.encoded_format is None
+    with pytest.raises(ValueError, match="update_and_fetch"):
+        layer.store_rows(mx.zeros((1, 2, 1, 1), mx.uint32))
+    aura = BatchedKVCache.for_model(model, CacheOptions(scheme="aura4v4", max_context=256), capacity_tokens=512,
+                                    page_size=16, max_slots=4)
+    assert aura.batch([aura.acquire()], 5).layers[0].encoded_format is None  # a prompt chunk: several tokens a row

@@ -1,5 +1,6 @@
 """`split_qkv_rope` equals float64 RMSNorm + RoPE and the model's own modules (the CUDA kernel where it runs,
-on the H200; the MLX-ops fallback on a CPU-only machine)."""
+on the H200; the MLX-ops fallback on a CPU-only machine); `split_qkv_rope_encode` equals it followed by the
+cache's CUDA encoder."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
 
-from kernels.qkv_rope import RopeSpec, split_qkv_rope
+from kernels import cuda_kv
+from kernels.qkv_rope import RopeSpec, encodes, split_qkv_rope, split_qkv_rope_encode
+from services.engine.cache.schemes import layer_format
 
 ULP = {mx.float32: 2.0**-23, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
 LLAMA3 = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -139,3 +142,52 @@ def test_a_scalar_array_offset_is_every_row_s_position():
     for a, b in zip(split_qkv_rope(qkv, n_heads=4, n_kv_heads=2, head_dim=64, rope=spec, offset=mx.array(9)),
                     split_qkv_rope(qkv, n_heads=4, n_kv_heads=2, head_dim=64, rope=spec, offset=9)):
         np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+ON_CUDA = cuda_kv.is_available()
+CODED = [  # scheme, head_dim, rope, q/k norm, keys centered
+    ("affine4", 64, "llama3", False, False),
+    ("affine8", 128, "qwen3", True, True),
+    ("aura4v4", 64, "default", False, True),
+    ("aura8v4", 64, "llama3", False, False),
+    ("aura4v2", 128, "partial_linear", True, False),
+    ("aura8v8", 256, "traditional", False, True),
+]
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the fused coding is a CUDA kernel (the H200 run covers it)")
+@pytest.mark.parametrize("scheme, head_dim, rope, norm, centered", CODED)
+def test_fused_coding_equals_split_then_encode_rows(scheme, head_dim, rope, norm, centered):
+    """One launch gives the q of `split_qkv_rope` and the rows `encode_rows` codes from its k and v, bit for bit."""
+    spec = RopeSpec.of(ROPES[rope](head_dim))
+    heads, kv = 8, 2
+    rng = np.random.default_rng(head_dim)
+    pos = mx.array([3, 900, 33000], mx.int32)
+    qkv = mx.array(rng.standard_normal((3, (heads + 2 * kv) * head_dim)) * 2, mx.bfloat16)
+    q_norm = k_norm = None
+    if norm:
+        q_norm, k_norm = nn.RMSNorm(head_dim, eps=1e-6), nn.RMSNorm(head_dim, eps=1e-6)
+        q_norm.weight = mx.array(rng.uniform(0.5, 1.5, head_dim), mx.bfloat16)
+        k_norm.weight = mx.array(rng.uniform(0.5, 1.5, head_dim), mx.bfloat16)
+    fmt = layer_format(scheme, layer=0, dtype=mx.bfloat16, head_dim=head_dim)
+    mean = mx.array(rng.standard_normal((kv, 1, head_dim)), mx.float32) if centered else None
+    shape = dict(n_heads=heads, n_kv_heads=kv, head_dim=head_dim, rope=spec, offset=pos, q_norm=q_norm, k_norm=k_norm)
+    assert encodes(fmt, head_dim, spec)
+    q, rows = split_qkv_rope_encode(qkv, fmt, mean, **shape)
+    want_q, k, v = split_qkv_rope(qkv, **shape)
+    want_rows = cuda_kv.encode_rows(fmt, k, v, mean)
+    assert rows.shape == want_rows.shape == (3, kv, 1, fmt.row_words) and rows.dtype == mx.uint32
+    np.testing.assert_array_equal(np.array(q.astype(mx.float32)), np.array(want_q.astype(mx.float32)))
+    np.testing.assert_array_equal(np.array(rows), np.array(want_rows))
+
+
+def test_fused_coding_serves_compressed_formats_of_head_dim_64_up_on_cuda_only():
+    spec = RopeSpec.of(nn.RoPE(64))
+    aura = layer_format("aura4v4", layer=0, dtype=mx.bfloat16, head_dim=64)
+    assert encodes(aura, 64, spec) == ON_CUDA
+    assert not encodes(layer_format("raw", layer=0, dtype=mx.bfloat16, head_dim=64), 64, spec)  # raw: no coding
+    assert not encodes(layer_format("aura4v4", layer=0, dtype=mx.bfloat16, head_dim=32), 32, RopeSpec.of(nn.RoPE(32)))
+    if not ON_CUDA:
+        with pytest.raises(ValueError, match="fused q/k/v coding"):
+            split_qkv_rope_encode(mx.zeros((1, 8 * 64)), aura, None, n_heads=4, n_kv_heads=2, head_dim=64, rope=spec,
+                                  offset=0)

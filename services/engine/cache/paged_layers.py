@@ -154,6 +154,31 @@ class PagedLayerCache(AttendingCache):
             return latent_operands(self._ref(), self._history(), None if index.num_new == 1 else self._new, keys.dtype)
         return keys, values
 
+    @property
+    def encoded_format(self) -> LayerFormat | None:
+        """The format new K/V may be handed over in, already coded (`store_rows`): a compressed layer's,
+        in a one-token-per-row forward; None where `update_and_fetch` must be called."""
+        fmt = self.spec.fmt
+        return None if fmt.is_raw or self.spec.latent or self.index.num_new != 1 else fmt
+
+    def store_rows(self, rows: mx.array) -> None:
+        """Store one new token per row already coded in `encoded_format` (keys centered on `spec.key_mean`).
+
+        Args:
+            rows (mx.array): uint32 [B, n_kv_heads, 1, row_words] (`kernels.qkv_rope.split_qkv_rope_encode`).
+
+        Raises:
+            ValueError: the layer takes no coded rows, or rows of another shape or dtype than planned.
+        """
+        if self.encoded_format is None:
+            raise ValueError(f"this forward's {self.spec.fmt.name} layer takes K/V through update_and_fetch")
+        want = (self.index.batch, self.storage.n_kv_heads, 1, self.spec.fmt.row_words)
+        if rows.shape != want or rows.dtype != mx.uint32:
+            raise ValueError(f"planned for coded rows uint32 {list(want)}, got {rows.dtype} {list(rows.shape)}")
+        self._new = (rows,)
+        pools = (self.storage if self.tail is None else self.tail).pools
+        pools[self.layer] = pool_rows.write(pools[self.layer], self.index.write_rows, self._new, self.index.write_source)
+
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """`None` for one query, else `"causal"`; `attend` masks from positions, not from this.
 

@@ -8,7 +8,8 @@ adds a weight transpose and a flatten/unflatten around its matmul, and attention
 transposes q, k, v and its output — about 30 views per layer that launch nothing. This forward
 runs the same modules' weights on `[B, D]` activations (one token per row): the weights'
 transposes are taken once (evaluated views, no copy), q, k and v come out of the fused projection
-normalized (Qwen3) and rotated in one launch (`kernels.qkv_rope`), each residual add runs in one
+normalized (Qwen3) and rotated in one launch (`kernels.qkv_rope`; in a compressed layer on CUDA, the
+same launch codes k and v into their cache rows), each residual add runs in one
 launch with the RMSNorm after it (`kernels.fused_norm`), and each layer's cache
 (`PagedLayerCache`) is called directly.
 
@@ -26,7 +27,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from kernels.fused_norm import add_rms_norm
-from kernels.qkv_rope import RopeSpec, split_qkv_rope
+from kernels.qkv_rope import RopeSpec, encodes, split_qkv_rope, split_qkv_rope_encode
 
 from .fuse import FusedView
 
@@ -131,9 +132,16 @@ def _attention(layer: _Layer, h: mx.array, cache) -> mx.array:
     batch = h.shape[0]
     heads, kv = layer.n_heads, layer.n_kv_heads
     qkv = _matmul(h, layer.qkv_t, layer.qkv_bias)
-    q, k, v = split_qkv_rope(qkv, n_heads=heads, n_kv_heads=kv, head_dim=layer.head_dim, rope=layer.rope,
-                             offset=cache.offset, q_norm=layer.q_norm, k_norm=layer.k_norm)
-    k, v = cache.update_and_fetch(k, v)
+    split = dict(n_heads=heads, n_kv_heads=kv, head_dim=layer.head_dim, rope=layer.rope, offset=cache.offset,
+                 q_norm=layer.q_norm, k_norm=layer.k_norm)
+    fmt = cache.encoded_format
+    if fmt is not None and encodes(fmt, layer.head_dim, layer.rope):
+        q, rows = split_qkv_rope_encode(qkv, fmt, cache.spec.key_mean, **split)  # one launch: no k, v in between
+        cache.store_rows(rows)
+        k = v = None  # decode attention reads the pools
+    else:
+        q, k, v = split_qkv_rope(qkv, **split)
+        k, v = cache.update_and_fetch(k, v)
     out = cache.attend(q, k, v, scale=layer.scale, mask=None)  # [B, heads, 1, head_dim]
     return _matmul(out.reshape(batch, heads * layer.head_dim), layer.o_t, layer.o_bias)
 
