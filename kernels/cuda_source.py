@@ -280,7 +280,8 @@ ENCODE = r"""
   constexpr int E = D >= 32 ? D / 32 : 1;  // dims per lane
   constexpr int LANES = D / E;              // lanes holding dims
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int gw = blockIdx.x * (blockDim.x / 32) + warp, n = gw / 2, mine = gw % 2;
+  const int gw = blockIdx.x * (blockDim.x / 32) + warp, n = gw / 2;
+  const bool is_key = gw % 2 == 0;  // warp-uniform: warp 2n codes vector n's key, 2n + 1 its value
   const int H = k_shape[1], L = k_shape[2];
   // Both parts' cell edges in shared memory: the binary search below then waits on no global load.
   // Unrolled (EW warps a block), so a thread's loads are all in flight before its first store.
@@ -298,7 +299,6 @@ ENCODE = r"""
   uint32_t* sidx = sidx_all[warp];
   uint32_t* row = out + (size_t)n * ROWW;
   __half* meta = reinterpret_cast<__half*>(row + MOFF);
-  const bool is_key = mine == 0;  // warp-uniform
   const T* src = is_key ? k : v;
   const int64_t* st = is_key ? k_strides.data() : v_strides.data();
   float x[E];

@@ -64,7 +64,9 @@ _SOURCE = r"""
     x[i + NT] = c;
     __syncthreads();
     T* dst = is_q ? qo + ((size_t)b * H + j) * D : KEY_OUT;
-    const bool to_y = ENC && !is_q;
+    auto put = [&](int e, T r) {  // element e of the output: a query's or key's row, or `y` (ENC keys)
+      if (ENC && !is_q) y[e] = static_cast<float>(r); else dst[e] = r;
+    };
     if (i < DIMS / 2) {  // pair i: (i, i + DIMS / 2), traditional (2i, 2i + 1)
       const int i1 = TRAD ? 2 * i : i, i2 = TRAD ? 2 * i + 1 : i + DIMS / 2;
       const float inv_freq = HAS_FREQS ? static_cast<float>(1.0 / static_cast<double>(freqs[i]))
@@ -72,12 +74,12 @@ _SOURCE = r"""
       const float theta = (fp[0] * static_cast<float>(pos[b])) * inv_freq;
       const float ct = cosf(theta), st = sinf(theta);
       const float x1 = x[i1], x2 = x[i2];
-      const T r1 = static_cast<T>(x1 * ct - x2 * st), r2 = static_cast<T>(x1 * st + x2 * ct);
-      if (to_y) { y[i1] = static_cast<float>(r1); y[i2] = static_cast<float>(r2); } else { dst[i1] = r1; dst[i2] = r2; }
+      put(i1, static_cast<T>(x1 * ct - x2 * st));
+      put(i2, static_cast<T>(x1 * st + x2 * ct));
     } else {  // past the rotated dims: two elements passed through
       const int e = DIMS + 2 * (i - DIMS / 2);
-      const T r1 = static_cast<T>(x[e]), r2 = static_cast<T>(x[e + 1]);
-      if (to_y) { y[e] = static_cast<float>(r1); y[e + 1] = static_cast<float>(r2); } else { dst[e] = r1; dst[e + 1] = r2; }
+      put(e, static_cast<T>(x[e]));
+      put(e + 1, static_cast<T>(x[e + 1]));
     }
   }
 """
@@ -277,7 +279,7 @@ def split_qkv_rope_encode(
         ValueError: as `split_qkv_rope`, or a layer `encodes` does not serve.
     """
     batch, heads = _check(qkv, n_heads, n_kv_heads, head_dim, offset, q_norm, k_norm)
-    if not (cuda_kv.is_available() and encodes(fmt, head_dim, rope)):
+    if not encodes(fmt, head_dim, rope):
         raise ValueError(f"the fused q/k/v coding serves compressed regular formats on CUDA, head_dim >= 64; "
                          f"got {fmt} at head_dim {head_dim}")
     inputs, template = _rope_args(qkv, n_heads, n_kv_heads, head_dim, rope, offset, q_norm, k_norm)

@@ -116,7 +116,12 @@ def main() -> None:
     suffix = f"_{args.kv_cache.replace(',', '-')}_{args.context}" if args.context else ""
     out = args.out or RESULTS / f"gpu_time_{args.random_model}{suffix}.json"
     out.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1)[:4000])
+    print(json.dumps(_without_top(result), indent=1))
+
+
+def _without_top(result: dict) -> dict:
+    """The result with each run's kernel table ("top") left out (for the terminal)."""
+    return {k: _without_top(v) if isinstance(v, dict) else v for k, v in result.items() if k != "top"}
 
 
 if __name__ == "__main__":

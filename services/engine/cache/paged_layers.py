@@ -147,9 +147,7 @@ class PagedLayerCache(AttendingCache):
         index = self.index
         if keys.shape[0] != index.batch or keys.shape[2] != index.num_new:
             raise ValueError(f"planned for {index.batch} rows of {index.num_new} tokens, got keys {keys.shape}")
-        self._new = pool_rows.encode(self.spec.fmt, keys, values, self.spec.key_mean)
-        pools = (self.storage if self.tail is None else self.tail).pools
-        pools[self.layer] = pool_rows.write(pools[self.layer], index.write_rows, self._new, index.write_source)
+        self._write(pool_rows.encode(self.spec.fmt, keys, values, self.spec.key_mean))
         if self.spec.latent:
             return latent_operands(self._ref(), self._history(), None if index.num_new == 1 else self._new, keys.dtype)
         return keys, values
@@ -175,9 +173,13 @@ class PagedLayerCache(AttendingCache):
         want = (self.index.batch, self.storage.n_kv_heads, 1, self.spec.fmt.row_words)
         if rows.shape != want or rows.dtype != mx.uint32:
             raise ValueError(f"planned for coded rows uint32 {list(want)}, got {rows.dtype} {list(rows.shape)}")
-        self._new = (rows,)
+        self._write((rows,))
+
+    def _write(self, new: tuple[mx.array, ...]) -> None:
+        """Scatter the forward's new pool rows (per pool `[B, H, L, width]`) into its pages (a decode window's: the tail)."""
+        self._new, index = new, self.index
         pools = (self.storage if self.tail is None else self.tail).pools
-        pools[self.layer] = pool_rows.write(pools[self.layer], self.index.write_rows, self._new, self.index.write_source)
+        pools[self.layer] = pool_rows.write(pools[self.layer], index.write_rows, new, index.write_source)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """`None` for one query, else `"causal"`; `attend` masks from positions, not from this.
