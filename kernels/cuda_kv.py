@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels.aura import GAINS, aura_codebook, gain_cells
+from kernels.cuda_mma import MMA_HEADER, PARTIAL_MMA
 from kernels.cuda_source import COMBINE, ENCODE, HEADER, PARTIAL
 from kernels.kv_format import AFFINE, AURA, RAW, LayerFormat, PartFormat
 
@@ -44,6 +45,10 @@ def _kernels() -> dict:
         "partial": kernel(name="bm_paged_decode_partial",
                           input_names=["q", "kp", "vp", "kt", "vt", "pt", "lens", "cb", "qsign", "params", "fparams"],
                           output_names=["o_part", "ml_part"], source=PARTIAL),
+        "partial_mma": mx.fast.cuda_kernel(
+            name="bm_paged_decode_mma", header=HEADER + MMA_HEADER, source=PARTIAL_MMA,
+            input_names=["q", "kp", "vp", "kt", "vt", "pt", "lens", "cb", "qsign", "params", "fparams"],
+            output_names=["o_part", "ml_part"]),
         "combine": kernel(name="bm_paged_decode_combine", input_names=["o_part", "ml_part", "sinks", "vsign"],
                           output_names=["out"], source=COMBINE),
     }
@@ -137,11 +142,17 @@ class Tuning:
 
     Attributes:
         dims_per_lane (int): Head dims one lane holds (8: one 16-byte load of fp16/bf16 per K row).
-        unroll (int): Tokens a lane loads before any math (memory-level parallelism).
+        unroll (int): Tokens a lane works on at once (loads in flight, or math between barriers).
         warps (int): Warps per block (each keeps `32 * dims_per_lane / D` softmax states).
         waves (int): Blocks launched per SM (sizes the split count).
         query_in_registers (bool): Lanes hold their query slices in registers (else read shared memory).
-        prefetch (bool): Issue the next tile's loads before this tile's math (two tiles in flight).
+        prefetch (bool): Without stages: issue the next tile's loads before this tile's math.
+        stages (int): 0: K/V rows are loaded straight into registers; n >= 2: the block copies tiles of
+            rows into a ring of n stages in shared memory (`cp.async`), n - 1 tiles ahead of the math.
+        stage_bytes (int): Bytes of one stage at most (sets the tile's tokens).
+        mma (bool): Scores and value sums on the tensor cores (`kernels.cuda_mma`; fp16/bf16 queries,
+            head_dim 16..128 in steps of 16, at most 16 query heads a kv head): a tile is
+            `16 * warps * unroll` tokens in a ring of `stages` (at least 2); else the lanes' FMAs.
     """
 
     dims_per_lane: int = 8
@@ -150,6 +161,9 @@ class Tuning:
     waves: int = 4
     query_in_registers: bool = True
     prefetch: bool = False
+    stages: int = 0
+    stage_bytes: int = 8192
+    mma: bool = False
 
 
 def _split_plan(max_tokens: int, batch: int, n_kv_heads: int, page_size: int, waves: int) -> tuple[int, int]:
@@ -208,21 +222,27 @@ def decode_attention(
     if not fmt.is_regular:
         raise ValueError(f"the CUDA kernels take regular formats only (kernels.paged_attention.uses_cuda), got {fmt}")
     tuning = tuning or default_tuning(fmt, batch * n_kv_heads)
-    lanes = head_dim // _dims_per_lane(fmt, tuning.dims_per_lane)
     per_split, splits = _split_plan(page_table.shape[1] * page_size, batch, n_kv_heads, page_size, tuning.waves)
-    warps = _partial_warps(fmt, group, lanes, tuning.warps)
     assert per_split <= _MAX_SPLIT_PAGES * page_size, "the partial kernel holds a split's page ids in shared memory"
     rotate = fmt.key.kind == AURA
     q_scale = scale * _LOG2E / (math.sqrt(head_dim) if rotate else 1.0)
-    cb = _codebooks(fmt)
     raw_dtype = fmt.key.dtype if fmt.is_raw else mx.uint32
-    o_part, ml_part = _kernels()["partial"](
-        inputs=[queries, kp, vp, kt, vt, page_table, lengths, cb, _signs(fmt.key, head_dim),
+    common = [("T", queries.dtype), ("RT", raw_dtype), ("D", head_dim), ("G", group), ("P", page_size),
+              ("MAXPG", _MAX_SPLIT_PAGES), *_part_args("K", fmt.key), *_part_args("V", fmt.value),
+              *_layout_args(fmt), ("ROTATE", rotate)]
+    mma = _mma_staging(fmt, queries.dtype, group, page_size, per_split, tuning) if tuning.mma else None
+    if mma is not None:
+        name, template, warps = "partial_mma", common + mma, tuning.warps
+    else:
+        lanes, warps = _lanes_and_warps(fmt, group, tuning)
+        staging = _staging(fmt, group, page_size, per_split, warps * (32 // lanes) * tuning.unroll, tuning)
+        name = "partial"
+        template = common + [("LPT", lanes), ("W", warps), ("U", tuning.unroll), ("QREG", tuning.query_in_registers),
+                             ("PREFETCH", tuning.prefetch), *staging]
+    o_part, ml_part = _kernels()[name](
+        inputs=[queries, kp, vp, kt, vt, page_table, lengths, _codebooks(fmt), _signs(fmt.key, head_dim),
                 _constant((per_split, pages, tail_pages, 0), mx.int32), _constant((q_scale,), mx.float32)],
-        template=[("T", queries.dtype), ("RT", raw_dtype), ("D", head_dim), ("G", group), ("P", page_size),
-                  ("LPT", lanes), ("W", warps), ("U", tuning.unroll), ("MAXPG", _MAX_SPLIT_PAGES), *_part_args("K", fmt.key), *_part_args("V", fmt.value),
-                  *_layout_args(fmt), ("ROTATE", rotate), ("QREG", tuning.query_in_registers),
-                  ("PREFETCH", tuning.prefetch)],
+        template=template,
         grid=(splits * 32 * warps, n_kv_heads, batch),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[(batch, n_heads, splits, head_dim), (batch, n_heads, splits, 2)],
@@ -243,13 +263,74 @@ def decode_attention(
     return out
 
 
-def _partial_warps(fmt: LayerFormat, group: int, lanes: int, wanted: int) -> int:
-    """`wanted`, cut so the partial kernel's static shared memory fits (`PARTIAL`'s arrays): the query
-    `qs[G*D]`, codebooks `cbs` (AURA: at most 512), page ids `pids[MAXPG]`, and per softmax state (32 / lanes a
-    warp) the merge rows `sm_acc[G][D]` plus `sm_m[G]`, `sm_l[G]`, all 4 bytes each."""
-    fixed = 4 * (group * fmt.head_dim + (512 if AURA in (fmt.key.kind, fmt.value.kind) else 1) + _MAX_SPLIT_PAGES)
+def _lanes_and_warps(fmt: LayerFormat, group: int, tuning: Tuning) -> tuple[int, int]:
+    """The FMA kernel's lanes a token (`LPT`) and warps a block: the tuning's, cut so the static shared
+    memory fits: the fixed arrays (`_fixed_shared_bytes`) and per softmax state (32 / lanes a warp) the merge
+    rows `sm_acc[G][D]` plus `sm_m[G]`, `sm_l[G]`, 4 bytes each. Where even one warp's rows do not fit
+    (many query heads a kv head), a token takes all 32 lanes (one state a warp)."""
+    room = _STATIC_SHARED_BYTES - _fixed_shared_bytes(fmt, group)
+    lanes = fmt.head_dim // _dims_per_lane(fmt, tuning.dims_per_lane)
+    if 4 * (32 // lanes) * group * (fmt.head_dim + 2) > room:
+        lanes = fmt.head_dim // _dims_per_lane(fmt, 1)
     per_warp = 4 * (32 // lanes) * group * (fmt.head_dim + 2)
-    return max(1, min(wanted, (_STATIC_SHARED_BYTES - fixed) // per_warp))
+    return lanes, max(1, min(tuning.warps, room // per_warp))
+
+
+def _fixed_shared_bytes(fmt: LayerFormat, group: int) -> int:
+    """The partial kernel's shared memory besides its stages and merge rows: the query `qs[G*D]`, codebooks
+    `cbs` (AURA: at most 512 floats) and page ids `pids[MAXPG]`, all 4 bytes each."""
+    return 4 * (group * fmt.head_dim + (512 if AURA in (fmt.key.kind, fmt.value.kind) else 1) + _MAX_SPLIT_PAGES)
+
+
+def _staging(fmt: LayerFormat, group: int, page_size: int, per_split: int, step: int, tuning: Tuning) -> list:
+    """Template arguments of the partial kernel's stages: NS (stages, 0: none), TT (tokens a tile), RG (rows
+    a copy group: RG rows of `RB` bytes fill whole 16-byte copies and never straddle a page) and CG (bytes a
+    copy: 16, or 4 where page_size is not a multiple of RG). TT is a multiple of the block's `step` (tokens
+    it works on at once) and of 4, at most a split's tokens (rounded up), and the stages fit the shared
+    memory left beside the fixed arrays."""
+    if tuning.stages == 0:
+        return [("NS", 0), ("TT", 4), ("RG", 1), ("CG", 4)]
+    parts = 2 if fmt.is_raw else 1
+    row_bytes = fmt.head_dim * fmt.key.dtype.size if fmt.is_raw else 4 * fmt.row_words
+    unit = step * 4 // math.gcd(step, 4)
+    budget = _STATIC_SHARED_BYTES - _fixed_shared_bytes(fmt, group) - 64
+    tile = min(tuning.stage_bytes, budget // tuning.stages) // (parts * row_bytes) // unit * unit
+    tile = max(unit, min(tile, -(-per_split // unit) * unit))
+    stages = min(tuning.stages, budget // (parts * row_bytes * tile))
+    if stages < 2:  # not even two tiles of the block's step fit: loads straight into registers
+        return [("NS", 0), ("TT", 4), ("RG", 1), ("CG", 4)]
+    group_rows = 16 // math.gcd(row_bytes, 16)
+    copy = 16 if page_size % group_rows == 0 else 4
+    return [("NS", stages), ("TT", tile), ("RG", group_rows if copy == 16 else 1), ("CG", copy)]
+
+
+def _mma_staging(fmt: LayerFormat, dtype: mx.Dtype, group: int, page_size: int, per_split: int,
+                 tuning: Tuning) -> list | None:
+    """Template arguments of the tensor-core kernel's ring (`kernels.cuda_mma`): W (warps), TT (tokens a
+    tile: `16 * warps * unroll`, at most a split's tokens rounded up to 16), NS (stages), RG and CG
+    (compressed rows' copies, as `_staging`); stages, then tile tokens, are cut until the ring fits beside
+    the fixed arrays. None where the kernel does not serve the layer
+    (dtype, head_dim, group) or even two 16-token stages do not fit."""
+    d = fmt.head_dim
+    if dtype not in (mx.float16, mx.bfloat16) or d % 16 or not 16 <= d <= 128 or group > 16:
+        return None
+    if fmt.is_raw and fmt.key.dtype != dtype:
+        return None
+    row_bytes = 2 * d if fmt.is_raw else 4 * fmt.row_words
+    token_bytes = 2 * (d + 8) * 2 if fmt.is_raw else row_bytes  # raw: K and V rows padded to d + 8
+    budget = _STATIC_SHARED_BYTES - _fixed_shared_bytes(fmt, group) - 64
+    warps, stages = tuning.warps, max(2, tuning.stages)
+    tile = min(16 * warps * tuning.unroll, -(-per_split // 16) * 16)
+    while stages * tile * token_bytes > budget or 4 * warps * group * (d + 2) > budget:
+        if stages > 2:
+            stages -= 1
+        elif tile > 16:
+            tile -= 16
+        else:
+            return None
+    group_rows = 16 // math.gcd(row_bytes, 16)
+    copy = 16 if page_size % group_rows == 0 else 4
+    return [("W", warps), ("TT", tile), ("NS", stages), ("RG", group_rows if copy == 16 else 1), ("CG", copy)]
 
 
 def _dims_per_lane(fmt: LayerFormat, wanted: int) -> int:
@@ -259,31 +340,37 @@ def _dims_per_lane(fmt: LayerFormat, wanted: int) -> int:
 
 
 def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
-    """The launch shape measured best on the H200 (`ops/kernel_sweep.py`, `ops/results/kernel_sweep_gpu.json`).
+    """The launch shape measured best on the H200 (`ops/kernel_sweep.py --gpu-time`,
+    `ops/results/kernel_sweep_gpu_cupti_mma.json`: each model layer's partial + combine kernels, chained).
 
     Args:
         fmt (LayerFormat): The layer's format.
         rows (int): Sequences times kv heads of the launch (one block walks one of them per split).
 
-    Few rows (`rows < NUM_SMS`, e.g. one stream at 32K): the history is split across every SM four
-    times over, loops are short, and loads right before their math measured best; head_dim 64 (GQA 4)
-    wants two tokens in flight per lane and the query in shared memory, head_dim 128 (GQA 2) 16 dims
-    per lane, one token at a time, the query in registers. Four waves of blocks rather than two: a
-    CUPTI sweep of 1 x 8K and 1 x 32K (`ops/results/kernel_sweep_gpu_cupti.json`) had four ahead in all
-    14 cases, but it timed independent chains the GPU overlapped; the engine's own profile agrees
-    (attention at 1 x 8K llama, raw: 627 us a step at two waves, 513 at four with the staging changes,
-    `ops/results/gpu_time_llama-1b_8k_prologue.json`). Many rows (32 streams x 8K): each block
-    walks a long row and load latency bounds it, so the next tile is prefetched, one token per lane
-    at a time, the query in registers; 8 dims per lane at head_dim 64, 16 at 128 (through the
-    engine, raw qwen3 32 x 8K decoded 2536 tok/s with 8, 3346 with 16).
-    Neighbouring shapes measured within ~10% of each other (and of run-to-run noise).
+    The tensor-core kernel wherever it serves the layer: at 32 streams x 8K (llama shape, 16 layers)
+    it took 2.55 ms against 3.38 for the best FMA kernel over raw K/V, 2.69 against 3.33 over affine4
+    and 2.51 against 2.99 over aura4v4; at 1 x 32K over raw 0.50 against 0.68 (0.48 against 0.72 in
+    another run). Four warps and a 64-token tile at head_dim 64, two warps at 128 (the padded tiles of
+    raw K/V must fit 48 KB). Few rows (`rows < NUM_SMS`): four waves of blocks (short splits across
+    every SM); many rows: two, each block walking a long row. Elsewhere (float32 queries, head_dim
+    256, more than 16 query heads a kv head) the FMA kernel, its rows staged by `cp.async` (at 32 x 8K
+    3.3-3.7 ms against 3.6-4.4 loading straight to registers). GPUs before compute capability 8.0 have
+    neither `cp.async` nor `mma.m16n8k16`: they load straight into registers, the next tile prefetched
+    for many rows. Single-stream figures at 1 x 8K moved up to 2x between runs of one shape on the
+    lent hosts (clocks): the shapes were chosen on the 32K and 32 x 8K cases.
     """
-    if rows < NUM_SMS:
-        if fmt.head_dim <= 64:
-            return Tuning(dims_per_lane=8, unroll=2, warps=4, waves=4, query_in_registers=False)
-        return Tuning(dims_per_lane=16, unroll=1, warps=4, waves=4, query_in_registers=True)
     wide = 16 if fmt.head_dim > 64 else 8
-    return Tuning(dims_per_lane=wide, unroll=1, warps=4, waves=2, query_in_registers=True, prefetch=True)
+    waves = 4 if rows < NUM_SMS else 2
+    if _compute_capability() < 8:
+        return Tuning(dims_per_lane=wide, unroll=1, warps=4, waves=waves, prefetch=rows >= NUM_SMS)
+    return Tuning(dims_per_lane=wide, unroll=1, warps=4 if fmt.head_dim <= 64 else 2, waves=waves, stages=4,
+                  mma=True)
+
+
+@functools.cache
+def _compute_capability() -> int:
+    """The default GPU's compute capability (major); 8 where MLX does not report it (its CUDA backend does)."""
+    return int(mx.device_info().get("compute_capability_major", 8))
 
 
 @functools.cache

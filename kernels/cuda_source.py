@@ -6,13 +6,15 @@ Three kernels, all reading and writing the row format of `kernels.kv_format`:
   fast Walsh-Hadamard transform in warp shuffles, Lloyd-Max search over the gains of
   `kernels.aura.GAINS`, pack, norm-corrected scale;
   affine: MLX's CPU `mx.quantize` rule exactly: min/max, edge snapped to the grid, `rint`).
-- `PARTIAL`: split-K decode attention ("flash-decoding"): one block per (split, kv head, row)
-  walks its tokens through the row's page table, reads each K/V row once for all G query
-  heads of its kv head (GQA), unpacks codes in registers (bit widths 2..8), and writes
-  (acc, max, sum-exp) per split. The first tile's loads are issued before the query is staged
-  (AURA queries rotated by warp shuffles, one warp a query head). Loads land in registers as raw
-  words and are decoded at use; with `PREFETCH` (launches of many rows, whose blocks walk long
-  rows) the next tile's loads are issued before this tile's math.
+- `PARTIAL`: split-K decode attention ("flash-decoding") on the lanes' FMAs: one block per
+  (split, kv head, row) walks its tokens through the row's page table, reads each K/V row once
+  for all G query heads of its kv head (GQA), unpacks codes in registers (bit widths 2..8), and
+  writes (acc, max, sum-exp) per split. The first tiles' loads are issued before the query is
+  staged (AURA queries rotated by warp shuffles, one warp a query head). With `NS` stages the
+  block copies tiles of rows into a shared-memory ring (`cp.async`, `NS - 1` tiles ahead); with
+  none (GPUs before compute capability 8.0) loads land in registers and are decoded at use, and
+  `PREFETCH` issues the next tile's loads before this tile's math. The tensor-core twin that
+  serves fp16/bf16 layers is `kernels.cuda_mma.PARTIAL_MMA` (same inputs, outputs and helpers).
 - `COMBINE`: merges the splits (and a learned attention sink), divides, and un-rotates AURA
   values in shared memory.
 
@@ -107,6 +109,21 @@ __device__ __forceinline__ float decode_slice(const Slice<MODE, BITS, D, DPL, RT
   }
 }
 
+// Asynchronous copies global -> shared (sm_80+): N bytes (4, 8 or 16; 16 bypasses L1), then
+// `cp_async_commit` closes a group and `cp_async_wait<N>` waits until at most N groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(src), "n"(N));
+  }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: 2 ulp, flushes subnormals to 0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -155,6 +172,68 @@ __device__ __forceinline__ void fwht_shared(float* v, int rows) {
     }
   }
   __syncthreads();
+}
+
+// The block's G query heads of kv head h, scaled by `q_scale` into `qs` [G * D] (for AURA keys first
+// rotated: sign flips, then a Walsh-Hadamard transform in warp shuffles, one warp per query head).
+// Every thread of the block calls it; the caller synchronizes before reading `qs`.
+template <typename T, int D, int G, bool ROTATE>
+__device__ __forceinline__ void stage_query(const T* qrow, const float* qsign, float q_scale, float* qs) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if constexpr (ROTATE) {
+    constexpr int QE = D >= 32 ? D / 32 : 1, QL = D / QE;  // dims per lane, lanes holding dims
+    for (int g = warp; g < G; g += warps) {  // warp-uniform: every lane takes part in the shuffles
+      float x[QE];
+#pragma unroll
+      for (int e = 0; e < QE; ++e) {
+        const int d = lane * QE + e;
+        x[e] = lane < QL ? static_cast<float>(qrow[g * D + d]) * qsign[d] : 0.f;
+      }
+      fwht_warp<QE, QL>(x, lane);
+      if (lane < QL) {
+#pragma unroll
+        for (int e = 0; e < QE; ++e) qs[g * D + lane * QE + e] = x[e] * q_scale;
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i] = static_cast<float>(qrow[i]) * q_scale;
+  }
+}
+
+// Merges a block's E softmax states of each of its G query heads (`sm_m`, `sm_l` [E][G], `sm_acc`
+// [E][G][D], log2 units) into the split's partials: o_part [.., S, D] and ml_part [.., S, 2] (max,
+// sum-exp) of query heads hq0 .. hq0 + G - 1. Every thread of the block calls it, after a barrier.
+template <int D, int G, int E>
+__device__ __forceinline__ void merge_states(const float* sm_m, const float* sm_l, const float* sm_acc, size_t hq0,
+                                             int S, int split, float* o_part, float* ml_part) {
+  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+    const int g = idx / D, d = idx % D;
+    float M = -1e30f;
+    for (int j = 0; j < E; ++j) M = fmaxf(M, sm_m[j * G + g]);
+    float L = 0.f, O = 0.f;
+    for (int j = 0; j < E; ++j) {
+      const float f = exp2f(sm_m[j * G + g] - M);
+      L = fmaf(sm_l[j * G + g], f, L);
+      O = fmaf(sm_acc[(j * G + g) * D + d], f, O);
+    }
+    const size_t hq = hq0 + g;
+    o_part[(hq * S + split) * D + d] = O;
+    if (d == 0) { ml_part[(hq * S + split) * 2] = M; ml_part[(hq * S + split) * 2 + 1] = L; }
+  }
+}
+
+// Stages a split's AURA centroids (keys' 2^KB, then values' 2^VB, from `cb`: keys at 0, values at
+// 256) into `cbs`, and its page ids (pages pg0 .. of the row's `table` holding slots < t_end) into
+// `pids`. Every thread of the block calls it; the caller synchronizes.
+template <int KCB, int VCB, int NT>
+__device__ __forceinline__ void stage_split(const float* cb, const int* table, int pg0, int t_end, int P,
+                                            float* cbs, int* pids) {
+#pragma unroll
+  for (int j = 0; j < (KCB + VCB + NT - 1) / NT; ++j) {  // unrolled: loads in flight together
+    const int i = threadIdx.x + j * NT;
+    if (i < KCB + VCB) cbs[i] = i < KCB ? cb[i] : cb[256 + i - KCB];
+  }
+  for (int i = threadIdx.x; pg0 + i < (t_end + P - 1) / P; i += blockDim.x) pids[i] = table[pg0 + i];
 }
 
 // Codes one part (K or V) of one vector held by a warp, lane j holding dims [j * E, j * E + E) of x
@@ -321,6 +400,11 @@ PARTIAL = r"""
   constexpr int DPL = D / LPT;   // dims per lane
   constexpr int TPW = 32 / LPT;  // tokens a warp works on at once
   constexpr int E = W * TPW;     // independent softmax states per block
+  constexpr int PARTS = KMODE == 0 ? 2 : 1;                       // pools a token is read from (raw: K and V)
+  constexpr int RB = KMODE == 0 ? D * (int)sizeof(RT) : ROWW * 4;  // bytes of a token's row in one pool
+  constexpr int SB = PARTS * TT * RB;                              // bytes of one stage (NS > 0)
+  constexpr int EPI = E * G * (D + 2) * 4;                         // the merge's rows (after the loop)
+  constexpr int SMEM = NS * SB > EPI ? NS * SB : EPI;
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int sg = lane / LPT, sub = lane % LPT, d0 = sub * DPL;
@@ -333,68 +417,79 @@ PARTIAL = r"""
   __shared__ float cbs[KCB + VCB > 0 ? KCB + VCB : 1];
   __shared__ float qs[G * D];
   __shared__ int pids[MAXPG];  // the split's page ids: a K/V load then waits on no global read
-#pragma unroll
-  for (int j = 0; j < (KCB + VCB + 32 * W - 1) / (32 * W); ++j) {  // unrolled: loads in flight together
-    const int i = threadIdx.x + j * 32 * W;
-    if (i < KCB + VCB) cbs[i] = i < KCB ? cb[i] : cb[256 + i - KCB];
-  }
-  const int* table = pt + (size_t)b * NP;
+  __shared__ __align__(16) unsigned char smem[SMEM];  // NS stages of K/V rows, then the merge's rows
   const int pg0 = t_begin / P;  // t_begin is a whole number of pages
-  for (int i = threadIdx.x; pg0 + i < (t_end + P - 1) / P; i += blockDim.x) pids[i] = table[pg0 + i];
+  stage_split<KCB, VCB, 32 * W>(cb, pt + (size_t)b * NP, pg0, t_end, P, cbs, pids);
   __syncthreads();
 
   using KS = Slice<KMODE, KBITS, D, DPL, RT>;
   using VS = Slice<VMODE, VBITS, D, DPL, RT>;
-  // Tile = U tokens per lane group. PREFETCH: the loads of tile i + 1 are issued before the math
-  // of tile i, two tiles of raw words per lane in flight (a block walking a whole long row is
-  // bound by load latency, not bandwidth); else each tile's loads follow the last tile's math.
+  // Pool row of token t (page table, then the main or the tail pool), and the reads of one token's
+  // slices from K/V rows at kb / vb (global pools, or a stage in shared memory).
+  auto pool_row = [&](int t, bool& in_tail) {
+    const int page = pids[t / P - pg0];
+    in_tail = page >= pages;
+    return ((size_t)h * (in_tail ? tail_pages : pages) + (in_tail ? page - pages : page)) * P + (t % P);
+  };
+  auto read = [&](const RT* kb, const RT* vb, size_t r, KS& ks, VS& vs) {
+    if constexpr (KMODE == 0) {
+      fetch_slice<KMODE, KBITS, KGS, D, DPL, RT>(kb + r * D, nullptr, nullptr, d0, ks);
+      fetch_slice<VMODE, VBITS, VGS, D, DPL, RT>(vb + r * D, nullptr, nullptr, d0, vs);
+    } else {
+      const uint32_t* row = reinterpret_cast<const uint32_t*>(kb) + r * ROWW;
+      const __half* meta = reinterpret_cast<const __half*>(row + MOFF);
+      fetch_slice<KMODE, KBITS, KGS, D, DPL, RT>(nullptr, row, meta, d0, ks);
+      fetch_slice<VMODE, VBITS, VGS, D, DPL, RT>(nullptr, row + KWORDS, meta + KMH, d0, vs);
+    }
+  };
+  // NS > 0: tiles of TT tokens are copied into a ring of NS stages by the whole block (cp.async,
+  // CG bytes a copy, row groups of RG rows that share a page), NS - 1 tiles ahead of the math: the
+  // bytes in flight no longer depend on the registers a lane can spare.
+  const int ntiles = t_end > t_begin ? (t_end - t_begin + TT - 1) / TT : 0;
+  auto issue = [&](int tile) {
+    if (tile < ntiles) {
+      constexpr int CPG = RG * RB / CG;  // copies a row group
+      const int tb = t_begin + tile * TT;
+      const int groups = (min(TT, t_end - tb) + RG - 1) / RG;
+      unsigned char* stage = smem + (NS > 0 ? tile % NS : 0) * SB;
+#pragma unroll
+      for (int part = 0; part < PARTS; ++part) {
+        for (int c = threadIdx.x; c < groups * CPG; c += 32 * W) {
+          const int g = c / CPG, k = c - g * CPG;
+          bool in_tail;
+          const size_t r = pool_row(tb + g * RG, in_tail);
+          const RT* pool = part == 0 ? (in_tail ? kt : kp) : (in_tail ? vt : vp);
+          cp_async<CG>(stage + (part * TT + g * RG) * RB + k * CG,
+                       reinterpret_cast<const unsigned char*>(pool) + r * RB + k * CG);
+        }
+      }
+    }
+    cp_async_commit();  // every thread, every call: the group counts stay uniform
+  };
+  // NS == 0: tiles of U tokens a lane group are loaded straight into registers. PREFETCH: tile
+  // i + 1's loads are issued before tile i's math; else each tile's loads follow the last math.
   auto token = [&](int base, int u) { return base + u * E + warp * TPW + sg; };  // this lane group's u-th token
   auto fetch = [&](int base, KS (&ks)[U], VS (&vs)[U]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int t = token(base, u);
       if (t < t_end) {
-        const int page = pids[t / P - pg0];
-        const bool in_tail = page >= pages;
-        const size_t r = ((size_t)h * (in_tail ? tail_pages : pages) + (in_tail ? page - pages : page)) * P + (t % P);
-        if constexpr (KMODE == 0) {
-          fetch_slice<KMODE, KBITS, KGS, D, DPL, RT>((in_tail ? kt : kp) + r * D, nullptr, nullptr, d0, ks[u]);
-          fetch_slice<VMODE, VBITS, VGS, D, DPL, RT>((in_tail ? vt : vp) + r * D, nullptr, nullptr, d0, vs[u]);
-        } else {
-          const uint32_t* row = reinterpret_cast<const uint32_t*>(in_tail ? kt : kp) + r * ROWW;
-          const __half* meta = reinterpret_cast<const __half*>(row + MOFF);
-          fetch_slice<KMODE, KBITS, KGS, D, DPL, RT>(nullptr, row, meta, d0, ks[u]);
-          fetch_slice<VMODE, VBITS, VGS, D, DPL, RT>(nullptr, row + KWORDS, meta + KMH, d0, vs[u]);
-        }
+        bool in_tail;
+        const size_t r = pool_row(t, in_tail);
+        read(in_tail ? kt : kp, in_tail ? vt : vp, r, ks[u], vs[u]);
       }
     }
   };
   KS kcur[U];
   VS vcur[U];
-  fetch(t_begin, kcur, vcur);  // the first tile's loads fly while the query is staged
-
-  // The query, scaled (and for AURA keys rotated: sign flips, then a Walsh-Hadamard transform in
-  // warp shuffles, one warp per query head) into shared memory.
-  const float q_scale = fparams[0];
-  const T* qrow = q + ((size_t)(b * Hkv + h) * G) * D;
-  if constexpr (ROTATE) {
-    constexpr int QE = D >= 32 ? D / 32 : 1, QL = D / QE;  // dims per lane, lanes holding dims
-    for (int g = warp; g < G; g += W) {  // warp-uniform: every lane takes part in the shuffles
-      float x[QE];
+  if constexpr (NS > 0) {
 #pragma unroll
-      for (int e = 0; e < QE; ++e) {
-        const int d = lane * QE + e;
-        x[e] = lane < QL ? static_cast<float>(qrow[g * D + d]) * qsign[d] : 0.f;
-      }
-      fwht_warp<QE, QL>(x, lane);
-      if (lane < QL) {
-#pragma unroll
-        for (int e = 0; e < QE; ++e) qs[g * D + lane * QE + e] = x[e] * q_scale;
-      }
-    }
+    for (int i = 0; i < NS - 1; ++i) issue(i);  // the first tiles fly while the query is staged
   } else {
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i] = static_cast<float>(qrow[i]) * q_scale;
+    fetch(t_begin, kcur, vcur);
   }
+
+  stage_query<T, D, G, ROTATE>(q + ((size_t)(b * Hkv + h) * G) * D, qsign, fparams[0], qs);
   __syncthreads();
 
   // QREG: each lane keeps its query slices in registers; else it reads them from shared memory
@@ -409,20 +504,13 @@ PARTIAL = r"""
       acc[g][i] = 0.f;
     }
   }
-  for (int base = t_begin; base < t_end; base += E * U) {
-    const int next = base + E * U;
-    KS knext[U];
-    VS vnext[U];
-    if constexpr (PREFETCH) {
-      if (next < t_end) fetch(next, knext, vnext);
-    }
+  // The math of U tokens a lane group (`valid`: the token is one of the split's live slots).
+  auto attend = [&](const KS (&ks)[U], const VS (&vs)[U], const bool (&valid)[U]) {
     float kx[U][DPL], vx[U][DPL], kf[U], vf[U];
-    bool valid[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      valid[u] = token(base, u) < t_end;
-      kf[u] = decode_slice<KMODE, KBITS, KGS, D, DPL, RT>(kcur[u], d0, cbs, kx[u]);
-      vf[u] = decode_slice<VMODE, VBITS, VGS, D, DPL, RT>(vcur[u], d0, cbs + KCB, vx[u]);
+      kf[u] = decode_slice<KMODE, KBITS, KGS, D, DPL, RT>(ks[u], d0, cbs, kx[u]);
+      vf[u] = decode_slice<VMODE, VBITS, VGS, D, DPL, RT>(vs[u], d0, cbs + KCB, vx[u]);
     }
     float s[U][G];  // scores of the U tokens, then one max and one rescale for all of them
 #pragma unroll
@@ -451,7 +539,7 @@ PARTIAL = r"""
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (!valid[u]) continue;  // past the split: its registers hold no row of this sequence
+        if (!valid[u]) continue;  // not a live slot of this split: its registers hold no row of it
         const float p = fast_exp2(s[u][g] - mn);
         l[g] += p;
         const float pv = p * vf[u];
@@ -459,37 +547,61 @@ PARTIAL = r"""
         for (int i = 0; i < DPL; ++i) acc[g][i] = fmaf(pv, vx[u][i], acc[g][i]);
       }
     }
-    if constexpr (PREFETCH) {
+  };
+  if constexpr (NS > 0) {
+    for (int i = 0; i < ntiles; ++i) {
+      cp_async_wait<NS - 2>();  // this thread's copies of tile i have landed
+      __syncthreads();          // everyone's have, and everyone is done with tile i - 1's stage
+      issue(i + NS - 1);        // into tile i - 1's stage
+      const unsigned char* stage = smem + (i % NS) * SB;
+      const RT* kb = reinterpret_cast<const RT*>(stage);
+      const int tb = t_begin + i * TT;
+      for (int j0 = 0; j0 < TT; j0 += E * U) {
+        bool valid[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) { kcur[u] = knext[u]; vcur[u] = vnext[u]; }
-    } else if (next < t_end) {
-      fetch(next, kcur, vcur);
+        for (int u = 0; u < U; ++u) {
+          const int j = j0 + u * E + warp * TPW + sg;
+          valid[u] = j < TT && tb + j < t_end;
+          if (valid[u]) read(kb, kb + TT * D, j, kcur[u], vcur[u]);
+        }
+        attend(kcur, vcur, valid);
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the merge's rows reuse the stages
+  } else {
+    for (int base = t_begin; base < t_end; base += E * U) {
+      const int next = base + E * U;
+      KS knext[U];
+      VS vnext[U];
+      if constexpr (PREFETCH) {
+        if (next < t_end) fetch(next, knext, vnext);
+      }
+      bool valid[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) valid[u] = token(base, u) < t_end;
+      attend(kcur, vcur, valid);
+      if constexpr (PREFETCH) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) { kcur[u] = knext[u]; vcur[u] = vnext[u]; }
+      } else if (next < t_end) {
+        fetch(next, kcur, vcur);
+      }
     }
   }
 
-  __shared__ float sm_m[E][G], sm_l[E][G], sm_acc[E][G][D];
+  float* sm_m = reinterpret_cast<float*>(smem);  // [E][G], then sm_l [E][G], then sm_acc [E][G][D]
+  float* sm_l = sm_m + E * G;
+  float* sm_acc = sm_l + E * G;
   const int e = warp * TPW + sg;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    if (sub == 0) { sm_m[e][g] = m[g]; sm_l[e][g] = l[g]; }
+    if (sub == 0) { sm_m[e * G + g] = m[g]; sm_l[e * G + g] = l[g]; }
 #pragma unroll
-    for (int i = 0; i < DPL; ++i) sm_acc[e][g][d0 + i] = acc[g][i];
+    for (int i = 0; i < DPL; ++i) sm_acc[(e * G + g) * D + d0 + i] = acc[g][i];
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
-    const int g = idx / D, d = idx % D;
-    float M = -1e30f;
-    for (int j = 0; j < E; ++j) M = fmaxf(M, sm_m[j][g]);
-    float L = 0.f, O = 0.f;
-    for (int j = 0; j < E; ++j) {
-      const float f = exp2f(sm_m[j][g] - M);
-      L = fmaf(sm_l[j][g], f, L);
-      O = fmaf(sm_acc[j][g][d], f, O);
-    }
-    const size_t hq = (size_t)b * Hkv * G + (size_t)h * G + g;
-    o_part[(hq * S + split) * D + d] = O;
-    if (d == 0) { ml_part[(hq * S + split) * 2] = M; ml_part[(hq * S + split) * 2 + 1] = L; }
-  }
+  merge_states<D, G, E>(sm_m, sm_l, sm_acc, (size_t)b * Hkv * G + (size_t)h * G, S, split, o_part, ml_part);
 """
 
 # One block of D * R threads per (query head, row): thread (r, d) merges dim d of splits r, r + R, ...,

@@ -110,6 +110,9 @@ def main() -> None:
     parser.add_argument("--waves", default="4,16")
     parser.add_argument("--query-in-registers", default="1")
     parser.add_argument("--prefetch", default="0,1")
+    parser.add_argument("--stages", default="0,4", help="0: loads straight to registers; n: a ring of n stages")
+    parser.add_argument("--stage-bytes", default="8192")
+    parser.add_argument("--mma", default="0,1", help="1: the tensor-core kernel (dims per lane, prefetch unused)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10, help="decode steps (all layers) per sample")
     parser.add_argument("--gpu-time", action="store_true",
@@ -124,7 +127,9 @@ def main() -> None:
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     tunings = [Tuning(*t) for t in itertools.product(ints(args.dims_per_lane), ints(args.unroll), ints(args.warps),
                                                       ints(args.waves), map(bool, ints(args.query_in_registers)),
-                                                      map(bool, ints(args.prefetch)))]
+                                                      map(bool, ints(args.prefetch)), ints(args.stages),
+                                                      ints(args.stage_bytes), map(bool, ints(args.mma)))
+               if not (t[5] and t[6]) and not (t[8] and (t[5] or t[6] < 2))]  # prefetch: unstaged only
     results = []
     for model, scheme, case in itertools.product(args.models.split(","), args.schemes.split(","),
                                                  args.cases.split(",")):
@@ -162,7 +167,8 @@ def _write(path: str, results: list[dict]) -> None:
 
 def vars_of(t: Tuning) -> dict:
     return {"dims_per_lane": t.dims_per_lane, "unroll": t.unroll, "warps": t.warps, "waves": t.waves,
-            "query_in_registers": t.query_in_registers, "prefetch": t.prefetch}
+            "query_in_registers": t.query_in_registers, "prefetch": t.prefetch, "stages": t.stages,
+            "stage_bytes": t.stage_bytes, "mma": t.mma}
 
 
 if __name__ == "__main__":

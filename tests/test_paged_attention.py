@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -224,11 +225,23 @@ def test_decode_matches_float64_reference(scheme, head_dim, group, lengths, with
 TUNINGS = [cuda_kv.Tuning(), cuda_kv.Tuning(8, 2, 4, 2, False), cuda_kv.Tuning(16, 1, 4, 2, True),
            cuda_kv.Tuning(16, 2, 4, 8, False), cuda_kv.Tuning(8, 4, 8, 1, False),
            cuda_kv.Tuning(8, 1, 4, 2, True, True), cuda_kv.Tuning(16, 1, 4, 2, True, True),
-           cuda_kv.Tuning(8, 2, 4, 8, False, True)]
+           cuda_kv.Tuning(8, 2, 4, 8, False, True),
+           cuda_kv.Tuning(8, 1, 4, 4, True, stages=4), cuda_kv.Tuning(16, 2, 4, 2, False, stages=3, stage_bytes=4096),
+           cuda_kv.Tuning(8, 2, 8, 8, True, stages=2, stage_bytes=1024),
+           cuda_kv.Tuning(8, 1, 4, 1, True, stages=4, stage_bytes=1 << 16),
+           cuda_kv.Tuning(warps=4, stages=4, mma=True), cuda_kv.Tuning(unroll=2, warps=2, waves=16, stages=2, mma=True),
+           cuda_kv.Tuning(warps=1, stages=3, mma=True)]
+
+
+def tuning_id(t: cuda_kv.Tuning) -> str:
+    shape = f"d{t.dims_per_lane}u{t.unroll}w{t.warps}v{t.waves}q{int(t.query_in_registers)}"
+    if t.mma:
+        return f"mma-u{t.unroll}w{t.warps}v{t.waves}s{t.stages}"
+    return f"staged-{shape}s{t.stages}b{t.stage_bytes}" if t.stages else f"direct-{shape}p{int(t.prefetch)}"
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="launch shapes exist only for the CUDA kernel, which needs MLX's CUDA backend (the H200 run covers it)")
-@pytest.mark.parametrize("tuning", TUNINGS, ids=str)
+@pytest.mark.parametrize("tuning", TUNINGS, ids=tuning_id)
 @pytest.mark.parametrize("scheme, head_dim, group", [("raw", 64, 4), ("affine4", 128, 2), ("aura4v4", 64, 4),
                                                      ("aura8v4", 128, 8), ("affine6", 256, 1)])
 def test_every_launch_shape_matches_float64_reference(tuning, scheme, head_dim, group):
@@ -248,6 +261,30 @@ def test_every_launch_shape_matches_float64_reference(tuning, scheme, head_dim, 
         want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, scale, np.ones((1, n), bool),
                              as_np(sinks).astype(np.float64))
         np.testing.assert_allclose(got[b], want, atol=tolerance(), err_msg=f"row {b}")
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the staged copies exist only in the CUDA kernel (the H200 run covers it)")
+@pytest.mark.parametrize("page", [5, 16])
+@pytest.mark.parametrize("scheme", ["raw", "aura4v4", "affine4"])
+def test_staged_copies_match_float64_reference(monkeypatch, scheme, page):
+    """Stages filled by row groups of whole 16-byte copies (page 16), or 4-byte copies where a page does not
+    hold whole groups (page 5, 68-byte AURA rows); the last page of each row in the tail pool."""
+    monkeypatch.setattr(sys.modules[__name__], "PAGE", page)
+    fmt = layer_format(scheme, 64)
+    lengths = (1, 4, 5, 6, 161, 700)
+    store = Store(fmt, lengths, 2, seed=page)
+    store.move_last_pages_to_tail()
+    rng = np.random.default_rng(5)
+    q = mx.array(rng.standard_normal((len(lengths), 8, 1, 64)).astype(np.float32)).astype(DTYPE)
+    table, lens = mx.array(store.page_table.astype(np.int32)), mx.array(np.array(lengths, np.int32))
+    for tuning in (cuda_kv.Tuning(stages=4, stage_bytes=2048), cuda_kv.Tuning(8, 2, 4, 16, False, stages=2),
+                   cuda_kv.Tuning(warps=2, stages=3, mma=True)):
+        got = as_np(cuda_kv.decode_attention(q, fmt, tuple(store.pools), tuple(store.tails), table, lens,
+                                             n_kv_heads=2, page_size=page, scale=0.125, tuning=tuning))
+        for b, n in enumerate(lengths):
+            keys, values = decode_rows_ref(fmt, store.stored[b])
+            want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, 0.125, np.ones((1, n), bool))
+            np.testing.assert_allclose(got[b], want, atol=tolerance(), err_msg=f"{tuning} row {b}")
 
 
 @pytest.mark.parametrize("scheme", ["raw", "affine8", "aura4v2"])
@@ -447,8 +484,12 @@ def assert_encoder_matches_mlx_ops(fmt: LayerFormat, *, batch: int, tokens: int,
 def test_partial_kernel_warps_fit_static_shared_memory():
     """aura4v4, head_dim 256, GQA 5, 16 dims per lane (16 lanes, 2 states a warp): 4 warps would need
     40960 (sm_acc) + 5120 (qs) + 2048 (cbs) + 1024 (pids) + 320 (sm_m, sm_l) = 49472 bytes > 48 KiB,
-    3 warps 39152. llama's and qwen3's shapes keep their 4."""
-    fmt = layer_format("aura4v4", 256)
-    assert cuda_kv._partial_warps(fmt, 5, 16, 4) == 3
-    assert cuda_kv._partial_warps(layer_format("raw", 64), 4, 8, 4) == 4
-    assert cuda_kv._partial_warps(layer_format("affine4", 128), 2, 8, 4) == 4
+    3 warps 39152. raw, head_dim 64, GQA 32, 16 dims per lane (8 states a warp): one warp's merge rows
+    alone, 8 * 32 * 66 * 4 = 67584 bytes, exceed the 39932 left beside qs, pids and cbs, so a token
+    takes 32 lanes (one state a warp: 8448 bytes), and 4 warps fit. llama's and qwen3's shapes keep 4."""
+    lanes_and_warps = lambda scheme, d, g, dims: cuda_kv._lanes_and_warps(  # noqa: E731
+        layer_format(scheme, d), g, cuda_kv.Tuning(dims_per_lane=dims, warps=4))
+    assert lanes_and_warps("aura4v4", 256, 5, 16) == (16, 3)
+    assert lanes_and_warps("raw", 64, 32, 16) == (32, 4)
+    assert lanes_and_warps("raw", 64, 4, 8) == (8, 4)
+    assert lanes_and_warps("affine4", 128, 2, 8) == (16, 4)

@@ -1,0 +1,291 @@
+"""CUDA source of the tensor-core partial kernel (`PARTIAL_MMA`): split-K paged decode attention
+whose scores and value sums run on the tensor cores (`mma.sync` m16n8k16, fp16/bf16 in, float32
+accumulators).
+
+One block per (split, kv head, row), as `kernels.cuda_source.PARTIAL`, with the same inputs,
+outputs and helpers (`HEADER`). The G query heads of a kv head are the rows of the A operand
+(padded to 16), so a K/V element is read once for all of them. Tiles of TT tokens are copied
+into a ring of NS stages in shared memory (`cp.async`, NS - 1 tiles ahead): raw rows into
+16-bit K and V tiles whose rows are padded to D + 8 elements (a warp's fragment loads then hit 32
+distinct banks), compressed rows as they are stored. Each warp takes 16-token chunks of a tile:
+S = Q K^T (D / 16 k-steps x two n-blocks of 8 tokens), the online softmax on the accumulator
+fragments (a row's four lanes reduce by two shuffles), then O += P V with P's accumulators
+reused as the A operand (FlashAttention-2's register trick) and V as the B operand. A compressed
+element is decoded (`code_at`, scales folded in) by the one lane whose fragment holds it, so
+every code of a tile is unpacked once. The warps' states merge in shared memory (`merge_states`).
+
+Slots past a split's end score -inf and their V elements are zeros (a NaN left in storage never
+reaches an output: 0 * NaN would).
+
+Sources: Dao, "FlashAttention-2" (2023), section 3 (online softmax, P kept in registers); Ye et
+al., "FlashInfer" (2025), GQA decode on tensor cores; PTX ISA, "Matrix fragments for mma.m16n8k16".
+"""
+
+MMA_HEADER = r"""
+template <typename A, typename B> struct same_type { static constexpr bool value = false; };
+template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
+
+// Two floats as one 32-bit register of two 16-bit T (a at the low half), rounded to nearest.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  uint32_t u;
+  if constexpr (same_type<T, __half>::value) {
+    const __half2 v = __floats2half2_rn(a, b);
+    memcpy(&u, &v, 4);
+  } else {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    memcpy(&u, &v, 4);
+  }
+  return u;
+}
+
+// Two 16-bit T as one register, lo at the low half.
+template <typename T>
+__device__ __forceinline__ uint32_t pair(T lo, T hi) {
+  unsigned short a, b;
+  memcpy(&a, &lo, 2);
+  memcpy(&b, &hi, 2);
+  return a | ((uint32_t)b << 16);
+}
+
+// Element d of one part of a compressed row (codes `codes`, meta halves `meta`): affine `scale * q + bias`
+// of its group, AURA the unit centroid `cb[q]` (the caller applies the vector's scale).
+template <int MODE, int BITS, int GS, int D>
+__device__ __forceinline__ float code_at(const uint32_t* codes, const __half* meta, const float* cb, int d) {
+  const int bit = d * BITS, w = bit / 32, o = bit % 32;
+  uint32_t q = codes[w] >> o;
+  if constexpr (32 % BITS != 0) {
+    if (o + BITS > 32) q |= codes[w + 1] << (32 - o);
+  }
+  q &= (1u << BITS) - 1u;
+  if constexpr (MODE == 1) {
+    return fmaf(__half2float(meta[d / GS]), __uint_as_float(0x4B000000u | q) - 8388608.0f, __half2float(meta[D / GS + d / GS]));
+  } else {
+    return cb[q];
+  }
+}
+
+// c += A B: one m16n8k16 tensor-core product (A row-major 16 x 16, B col-major 16 x 8, float32 c).
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (same_type<T, __half>::value) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+"""
+
+PARTIAL_MMA = r"""
+  static_assert(sizeof(T) == 2 && D % 16 == 0 && G <= 16 && TT % 16 == 0, "fp16/bf16, D % 16, G <= 16");
+  constexpr bool RAW = KMODE == 0;
+  constexpr int DP = D + 8;                    // padded row of a 16-bit tile (elements)
+  constexpr int RB = RAW ? D * 2 : ROWW * 4;   // bytes of a token's row in one pool
+  constexpr int SB = RAW ? 2 * TT * DP * 2 : TT * RB;  // bytes of one stage (raw: K and V tiles, padded rows)
+  constexpr int RING = NS * SB;
+  constexpr int EPI = W * G * (D + 2) * 4;
+  constexpr int SMEM = RING > EPI ? RING : EPI;
+  constexpr int KSTEPS = D / 16, NBLK = D / 8;
+  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gid = lane / 4, c0 = (lane % 4) * 2;  // fragment row group, column pair
+  const int Hkv = gridDim.y, S = gridDim.x, NP = pt_shape[1];
+  const int tps = params[0], pages = params[1], tail_pages = params[2];
+  const int t_begin = split * tps;
+  const int t_end = min(t_begin + tps, lens[b]);
+
+  constexpr int KCB = KMODE == 2 ? 1 << KBITS : 0, VCB = VMODE == 2 ? 1 << VBITS : 0;  // AURA centroids
+  __shared__ float cbs[KCB + VCB > 0 ? KCB + VCB : 1];
+  __shared__ float qs[G * D];
+  __shared__ int pids[MAXPG];
+  __shared__ __align__(16) unsigned char smem[SMEM];
+  const int pg0 = t_begin / P;  // t_begin is a whole number of pages
+  stage_split<KCB, VCB, 32 * W>(cb, pt + (size_t)b * NP, pg0, t_end, P, cbs, pids);
+  __syncthreads();
+
+  auto pool_row = [&](int t, bool& in_tail) {
+    const int page = pids[t / P - pg0];
+    in_tail = page >= pages;
+    return ((size_t)h * (in_tail ? tail_pages : pages) + (in_tail ? page - pages : page)) * P + (t % P);
+  };
+  const int ntiles = t_end > t_begin ? (t_end - t_begin + TT - 1) / TT : 0;
+  auto issue = [&](int tile) {
+    if (tile < ntiles) {
+      const int tb = t_begin + tile * TT;
+      const int rows = min(TT, t_end - tb);
+      unsigned char* stage = smem + (tile % NS) * SB;
+      if constexpr (RAW) {  // row by row into the padded tile: K rows, then V rows
+        constexpr int CPR = D * 2 / 16;
+#pragma unroll
+        for (int part = 0; part < 2; ++part) {
+          for (int c = threadIdx.x; c < rows * CPR; c += 32 * W) {
+            const int j = c / CPR, k = c - j * CPR;
+            bool in_tail;
+            const size_t r = pool_row(tb + j, in_tail);
+            const RT* pool = part == 0 ? (in_tail ? kt : kp) : (in_tail ? vt : vp);
+            cp_async<16>(stage + ((part * TT + j) * DP) * 2 + k * 16,
+                         reinterpret_cast<const unsigned char*>(pool) + r * RB + k * 16);
+          }
+        }
+      } else {  // row groups of whole copies, contiguous as in the pool
+        constexpr int CPG = RG * RB / CG;
+        const int groups = (rows + RG - 1) / RG;
+        for (int c = threadIdx.x; c < groups * CPG; c += 32 * W) {
+          const int g = c / CPG, k = c - g * CPG;
+          bool in_tail;
+          const size_t r = pool_row(tb + g * RG, in_tail);
+          cp_async<CG>(stage + g * RG * RB + k * CG,
+                       reinterpret_cast<const unsigned char*>(in_tail ? kt : kp) + r * RB + k * CG);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < NS - 1; ++i) issue(i);  // the first tiles fly while the query is staged
+
+  stage_query<T, D, G, ROTATE>(q + ((size_t)(b * Hkv + h) * G) * D, qsign, fparams[0], qs);
+  __syncthreads();
+  uint32_t qa[KSTEPS][4];  // A fragments of the scaled query (rows >= G are zero)
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+#pragma unroll
+    for (int f = 0; f < 4; ++f) {
+      const int row = gid + (f & 1) * 8, col = kk * 16 + c0 + (f >> 1) * 8;
+      qa[kk][f] = row < G ? pack2<T>(qs[row * D + col], qs[row * D + col + 1]) : 0u;
+    }
+  }
+
+  float acc[NBLK][4], m[2] = {-1e30f, -1e30f}, l[2] = {0.f, 0.f};  // rows gid and gid + 8
+#pragma unroll
+  for (int n = 0; n < NBLK; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  for (int i = 0; i < ntiles; ++i) {
+    cp_async_wait<NS - 2>();
+    __syncthreads();  // tile i landed for all; everyone is done with tile i - 1
+    issue(i + NS - 1);
+    const int tb = t_begin + i * TT;
+    const int rows = min(TT, t_end - tb);
+    const unsigned char* stage = smem + (i % NS) * SB;
+    if constexpr (RAW) {
+      if (rows < TT) {  // V rows past the end: zeros (storage there may hold NaN)
+        T* vb = reinterpret_cast<T*>(const_cast<unsigned char*>(stage)) + TT * DP;
+        for (int x = threadIdx.x; x < (TT - rows) * D; x += 32 * W) vb[(rows + x / D) * DP + x % D] = T(0.f);
+        __syncthreads();
+      }
+    }
+    for (int j0 = warp * 16; j0 < rows; j0 += 16 * W) {  // this warp's 16-token chunks
+      float s[2][4];
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {  // S = Q K^T for tokens j0 + 8 nb .. + 7; this lane's B column: token gid
+        s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+        const int j = j0 + nb * 8 + gid;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+          uint32_t b0, b1;
+          if constexpr (RAW) {
+            const T* krow = reinterpret_cast<const T*>(stage) + j * DP + kk * 16 + c0;
+            b0 = *reinterpret_cast<const uint32_t*>(krow);
+            b1 = *reinterpret_cast<const uint32_t*>(krow + 8);
+          } else {  // codes decoded where they land: each element of the tile once, by one lane
+            const uint32_t* row = reinterpret_cast<const uint32_t*>(stage) + j * ROWW;
+            const __half* meta = reinterpret_cast<const __half*>(row + MOFF);
+            const float f = KMODE == 2 ? __half2float(meta[0]) : 1.f;
+            const int d = kk * 16 + c0;
+            b0 = pack2<T>(code_at<KMODE, KBITS, KGS, D>(row, meta, cbs, d) * f,
+                          code_at<KMODE, KBITS, KGS, D>(row, meta, cbs, d + 1) * f);
+            b1 = pack2<T>(code_at<KMODE, KBITS, KGS, D>(row, meta, cbs, d + 8) * f,
+                          code_at<KMODE, KBITS, KGS, D>(row, meta, cbs, d + 9) * f);
+          }
+          mma16816<T>(s[nb], qa[kk], b0, b1);
+        }
+      }
+      float mx[2] = {m[0], m[1]};
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (j0 + nb * 8 + c0 + (e & 1) >= rows) s[nb][e] = -INFINITY;  // past the split's end
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[nb][e]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float a = fast_exp2(m[r] - mx[r]);
+        l[r] *= a;
+#pragma unroll
+        for (int n = 0; n < NBLK; ++n) { acc[n][2 * r] *= a; acc[n][2 * r + 1] *= a; }
+        m[r] = mx[r];
+      }
+      uint32_t pa[4];  // P as the A operand: tokens c0, c0 + 1 (+ 8) of rows gid (+ 8)
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          p[e] = fast_exp2(s[nb][e] - m[e >> 1]);
+          l[e >> 1] += p[e];
+        }
+        pa[2 * nb] = pack2<T>(p[0], p[1]);
+        pa[2 * nb + 1] = pack2<T>(p[2], p[3]);
+      }
+      // O += P V; this lane's B rows: tokens j0 + c0 + {0, 1, 8, 9}, column: dim 8 n + gid.
+      if constexpr (RAW) {
+        const T* v0 = reinterpret_cast<const T*>(stage) + (TT + j0 + c0) * DP + gid;
+#pragma unroll
+        for (int n = 0; n < NBLK; ++n) {
+          const T* v = v0 + n * 8;
+          mma16816<T>(acc[n], pa, pair<T>(v[0], v[DP]), pair<T>(v[8 * DP], v[9 * DP]));
+        }
+      } else {
+        const uint32_t* vr[4];
+        const __half* vm[4];
+        float vf[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = j0 + c0 + (e & 1) + (e >> 1) * 8;
+          vr[e] = reinterpret_cast<const uint32_t*>(stage) + j * ROWW + KWORDS;
+          vm[e] = reinterpret_cast<const __half*>(reinterpret_cast<const uint32_t*>(stage) + j * ROWW + MOFF) + KMH;
+          vf[e] = j >= rows ? 0.f : (VMODE == 2 ? __half2float(vm[e][0]) : 1.f);  // rows past the end: zeros
+        }
+#pragma unroll
+        for (int n = 0; n < NBLK; ++n) {
+          float x[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float y = code_at<VMODE, VBITS, VGS, D>(vr[e], vm[e], cbs + KCB, n * 8 + gid) * vf[e];
+            x[e] = vf[e] == 0.f ? 0.f : y;  // a zero, not 0 * NaN, where the row is not live
+          }
+          mma16816<T>(acc[n], pa, pack2<T>(x[0], x[1]), pack2<T>(x[2], x[3]));
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the merge's rows reuse the ring
+
+  float* sm_m = reinterpret_cast<float*>(smem);  // [W][G], then sm_l [W][G], then sm_acc [W][G][D]
+  float* sm_l = sm_m + W * G;
+  float* sm_acc = sm_l + W * G;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    const int g = gid + 8 * r;
+    if (g < G) {
+      if (c0 == 0) { sm_m[warp * G + g] = m[r]; sm_l[warp * G + g] = l[r]; }
+#pragma unroll
+      for (int n = 0; n < NBLK; ++n) {
+        sm_acc[(warp * G + g) * D + n * 8 + c0] = acc[n][2 * r];
+        sm_acc[(warp * G + g) * D + n * 8 + c0 + 1] = acc[n][2 * r + 1];
+      }
+    }
+  }
+  __syncthreads();
+  merge_states<D, G, W>(sm_m, sm_l, sm_acc, (size_t)b * Hkv * G + (size_t)h * G, S, split, o_part, ml_part);
+"""

@@ -1,0 +1,81 @@
+"""Launch plans of the CUDA partial kernels (pure Python: runs without a GPU).
+
+The kernels declare their shared memory statically, and CUDA refuses a block over 48 KB: every plan
+the launcher picks must fit. The bytes are recomputed here from the kernel sources' own arrays
+(`kernels.cuda_source.PARTIAL`, `kernels.cuda_mma.PARTIAL_MMA`), not from the launcher's helpers.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import pytest
+
+from kernels import cuda_kv
+from kernels.kv_format import AURA
+from services.engine.cache.schemes import layer_format
+
+SCHEMES = ["raw", "affine8", "affine4", "aura8v4", "aura4v4", "aura4v2", "aura8v8"]
+LIMIT = 48 * 1024
+
+
+def fixed_bytes(fmt, group: int) -> int:
+    """`qs[G*D]` floats, `cbs` (2^KBITS + 2^VBITS AURA centroids, or 1) floats, `pids[256]` ints."""
+    cents = sum(1 << p.bits for p in (fmt.key, fmt.value) if p.kind == AURA)
+    return 4 * (group * fmt.head_dim + max(cents, 1) + 256)
+
+
+@pytest.mark.parametrize("scheme, head_dim, group", list(itertools.product(SCHEMES, [16, 64, 128], [1, 4, 8, 16])))
+@pytest.mark.parametrize("page", [16, 5])
+def test_tensor_core_plans_fit_shared_memory(scheme, head_dim, group, page):
+    fmt = layer_format(scheme, layer=0, dtype=mx.bfloat16, head_dim=head_dim)
+    for tuning, per_split in itertools.product([cuda_kv.Tuning(warps=w, unroll=u, stages=s, mma=True)
+                                                for w, u, s in itertools.product([1, 2, 4], [1, 2], [2, 4])],
+                                               [page, 128 + page, 8192]):
+        plan = cuda_kv._mma_staging(fmt, mx.bfloat16, group, page, per_split, tuning)
+        assert plan is not None, (tuning, per_split)
+        args = dict(plan)
+        assert args["TT"] % 16 == 0 and args["NS"] >= 2 and args["W"] == tuning.warps
+        token = 2 * (head_dim + 8) * 2 if fmt.is_raw else 4 * fmt.row_words
+        ring = args["NS"] * args["TT"] * token
+        merge = args["W"] * group * (head_dim + 2) * 4
+        assert fixed_bytes(fmt, group) + max(ring, merge) <= LIMIT, (tuning, args)
+        if args["CG"] == 16:  # whole 16-byte copies: row groups inside a page, 16-byte aligned
+            assert page % args["RG"] == 0 and (args["RG"] * token) % 16 == 0 or fmt.is_raw
+
+
+@pytest.mark.parametrize("scheme, head_dim, group", [c for c in itertools.product(SCHEMES, [8, 64, 128, 256], [1, 4, 8, 32])
+                                                     if c[1] * c[2] < 8192])  # the query alone: 32 KB at 256 x 32
+def test_fma_plans_fit_shared_memory(scheme, head_dim, group):
+    fmt = layer_format(scheme, layer=0, dtype=mx.bfloat16, head_dim=head_dim)
+    for dims, warps, unroll, stages in itertools.product([8, 16], [4, 8], [1, 2], [0, 2, 4]):
+        tuning = cuda_kv.Tuning(dims_per_lane=dims, unroll=unroll, warps=warps, stages=stages)
+        lanes, w = cuda_kv._lanes_and_warps(fmt, group, tuning)
+        args = dict(cuda_kv._staging(fmt, group, 16, 512, w * (32 // lanes) * unroll, tuning))
+        parts, row = (2, head_dim * 2) if fmt.is_raw else (1, 4 * fmt.row_words)
+        ring = args["NS"] * parts * args["TT"] * row
+        merge = w * (32 // lanes) * group * (head_dim + 2) * 4
+        assert fixed_bytes(fmt, group) + max(ring, merge) <= LIMIT, (tuning, args)
+        assert args["TT"] % 4 == 0
+
+
+def test_tensor_cores_serve_16_bit_queries_up_to_head_dim_128_and_16_heads_a_group():
+    fmt = layer_format("raw", layer=0, dtype=mx.bfloat16, head_dim=64)
+    plan = lambda fmt, dtype=mx.bfloat16, group=4: cuda_kv._mma_staging(  # noqa: E731
+        fmt, dtype, group, 16, 512, cuda_kv.Tuning(mma=True, stages=4))
+    assert plan(fmt) is not None
+    assert plan(fmt, dtype=mx.float32) is None
+    assert plan(fmt, group=17) is None
+    assert plan(layer_format("affine4", layer=0, dtype=mx.bfloat16, head_dim=256)) is None
+    assert plan(layer_format("raw", layer=0, dtype=mx.float16, head_dim=64)) is None  # raw K/V of another dtype
+
+
+def test_gpus_before_ampere_load_straight_into_registers(monkeypatch):
+    fmt = layer_format("aura4v4", layer=0, dtype=mx.bfloat16, head_dim=64)
+    monkeypatch.setattr(cuda_kv, "_compute_capability", lambda: 7)
+    old = cuda_kv.default_tuning(fmt, 8)
+    assert not old.mma and old.stages == 0
+    monkeypatch.setattr(cuda_kv, "_compute_capability", lambda: 9)
+    new = cuda_kv.default_tuning(fmt, 8)
+    assert new.mma and new.stages >= 2
