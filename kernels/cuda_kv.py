@@ -151,7 +151,7 @@ class Tuning:
             rows into a ring of n stages in shared memory (`cp.async`), n - 1 tiles ahead of the math.
         stage_bytes (int): Bytes of one stage at most (sets the tile's tokens).
         mma (bool): Scores and value sums on the tensor cores (`kernels.cuda_mma`; fp16/bf16 queries,
-            head_dim 16..128 in steps of 16, at most 16 query heads a kv head): a tile is
+            head_dim 64 or 128, at most 16 query heads a kv head): a tile is
             `16 * warps * unroll` tokens in a ring of `stages` (at least 2); else the lanes' FMAs.
     """
 
@@ -312,7 +312,7 @@ def _mma_staging(fmt: LayerFormat, dtype: mx.Dtype, group: int, page_size: int, 
     the fixed arrays. None where the kernel does not serve the layer
     (dtype, head_dim, group) or even two 16-token stages do not fit."""
     d = fmt.head_dim
-    if dtype not in (mx.float16, mx.bfloat16) or d % 16 or not 16 <= d <= 128 or group > 16:
+    if dtype not in (mx.float16, mx.bfloat16) or d not in (64, 128) or group > 16:  # the shapes run on the H200
         return None
     if fmt.is_raw and fmt.key.dtype != dtype:
         return None
@@ -352,8 +352,8 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     and 2.51 against 2.99 over aura4v4; at 1 x 32K over raw 0.50 against 0.68 (0.48 against 0.72 in
     another run). Four warps and a 64-token tile at head_dim 64, two warps at 128 (the padded tiles of
     raw K/V must fit 48 KB). Few rows (`rows < NUM_SMS`): four waves of blocks (short splits across
-    every SM); many rows: two, each block walking a long row. Elsewhere (float32 queries, head_dim
-    256, more than 16 query heads a kv head) the FMA kernel, its rows staged by `cp.async` (at 32 x 8K
+    every SM); many rows: two, each block walking a long row. Elsewhere (float32 queries, head_dims
+    other than 64 and 128, more than 16 query heads a kv head) the FMA kernel, its rows staged by `cp.async` (at 32 x 8K
     3.3-3.7 ms against 3.6-4.4 loading straight to registers). GPUs before compute capability 8.0 have
     neither `cp.async` nor `mma.m16n8k16`: they load straight into registers, the next tile prefetched
     for many rows. Single-stream figures at 1 x 8K moved up to 2x between runs of one shape on the
