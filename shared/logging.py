@@ -1,4 +1,8 @@
-"""structlog setup: readable console lines by default, one JSON object per line with `json=True`."""
+"""structlog setup: readable console lines by default, one JSON object per line with `json=True`.
+
+Each record goes out in one write with its newline (`WriteLogger`; `PrintLogger` writes the newline
+apart), so the records of serve's processes, which share one stderr, do not run into each other.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ def configure_logging(*, json: bool = False, level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),  # a record and its newline in one write
         cache_logger_on_first_use=False,
     )
 

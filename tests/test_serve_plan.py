@@ -35,3 +35,12 @@ def test_the_plan_gives_each_engine_its_device(monkeypatch, tmp_path):
     plan = serve.build_plan(parser.parse_args(["--engines", "3", "--dtype", "float32"]), tmp_path)
     assert [dict(e.env) for e in plan.engines] == [{"CUDA_VISIBLE_DEVICES": g} for g in "010"]
     assert all(e.argv[e.argv.index("--device") + 1] == "gpu:0" for e in plan.engines)
+
+
+def test_an_unknown_kv_cache_scheme_stops_the_plan_before_any_process(tmp_path):
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    with pytest.raises(ValueError, match="aura11v4"):
+        serve.build_plan(parser.parse_args(["--kv-cache", "aura11v4"]), tmp_path)
+    with pytest.raises(ValueError, match="bad layer override"):
+        serve.build_plan(parser.parse_args(["--kv-cache", "aura4v4+x=raw"]), tmp_path)
