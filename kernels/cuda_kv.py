@@ -353,10 +353,10 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     another run). Four warps and a 64-token tile at head_dim 64, two warps at 128 (the padded tiles of
     raw K/V must fit 48 KB). Few rows (`rows < NUM_SMS`): four waves of blocks (short splits across
     every SM); many rows: two, each block walking a long row. Elsewhere (float32 queries, head_dims
-    other than 64 and 128, more than 16 query heads a kv head) the FMA kernel, its rows staged by `cp.async` (at 32 x 8K
-    3.3-3.7 ms against 3.6-4.4 loading straight to registers). GPUs before compute capability 8.0 have
-    neither `cp.async` nor `mma.m16n8k16`: they load straight into registers, the next tile prefetched
-    for many rows. Single-stream figures at 1 x 8K moved up to 2x between runs of one shape on the
+    other than 64 and 128, more than 16 query heads a kv head) the FMA kernel, its rows staged by
+    `cp.async` (at 32 x 8K 3.0-3.8 ms against 3.6-4.4 loading straight to registers, over raw,
+    affine4 and aura4v4). GPUs before compute capability 8.0 have neither `cp.async` nor
+    `mma.m16n8k16`: they load straight into registers, the next tile prefetched for many rows. Single-stream figures at 1 x 8K moved up to 2x between runs of one shape on the
     lent hosts (clocks): the shapes were chosen on the 32K and 32 x 8K cases.
     """
     wide = 16 if fmt.head_dim > 64 else 8
