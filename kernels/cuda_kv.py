@@ -269,11 +269,11 @@ def _lanes_and_warps(fmt: LayerFormat, group: int, tuning: Tuning) -> tuple[int,
     rows `sm_acc[G][D]` plus `sm_m[G]`, `sm_l[G]`, 4 bytes each. Where even one warp's rows do not fit
     (many query heads a kv head), a token takes all 32 lanes (one state a warp)."""
     room = _STATIC_SHARED_BYTES - _fixed_shared_bytes(fmt, group)
+    per_warp = lambda lanes: 4 * (32 // lanes) * group * (fmt.head_dim + 2)  # noqa: E731  (merge rows, bytes)
     lanes = fmt.head_dim // _dims_per_lane(fmt, tuning.dims_per_lane)
-    if 4 * (32 // lanes) * group * (fmt.head_dim + 2) > room:
+    if per_warp(lanes) > room:
         lanes = fmt.head_dim // _dims_per_lane(fmt, 1)
-    per_warp = 4 * (32 // lanes) * group * (fmt.head_dim + 2)
-    return lanes, max(1, min(tuning.warps, room // per_warp))
+    return lanes, max(1, min(tuning.warps, room // per_warp(lanes)))
 
 
 def _fixed_shared_bytes(fmt: LayerFormat, group: int) -> int:
@@ -282,35 +282,47 @@ def _fixed_shared_bytes(fmt: LayerFormat, group: int) -> int:
     return 4 * (group * fmt.head_dim + (512 if AURA in (fmt.key.kind, fmt.value.kind) else 1) + _MAX_SPLIT_PAGES)
 
 
+def _ring_budget(fmt: LayerFormat, group: int) -> int:
+    """Bytes a partial kernel's ring of stages may take: what the fixed arrays leave of 48 KB (less 64 for alignment)."""
+    return _STATIC_SHARED_BYTES - _fixed_shared_bytes(fmt, group) - 64
+
+
+def _copy_geometry(row_bytes: int, page_size: int) -> list:
+    """RG (rows a copy group: whole 16-byte copies that never straddle a page) and CG (bytes a copy: 16, or
+    4 with one-row groups where page_size is not a multiple of the rows that fill 16 bytes)."""
+    group_rows = 16 // math.gcd(row_bytes, 16)
+    return [("RG", group_rows), ("CG", 16)] if page_size % group_rows == 0 else [("RG", 1), ("CG", 4)]
+
+
+_NO_STAGES = [("NS", 0), ("TT", 4), ("RG", 1), ("CG", 4)]  # loads straight into registers (TT, RG, CG unused)
+
+
 def _staging(fmt: LayerFormat, group: int, page_size: int, per_split: int, step: int, tuning: Tuning) -> list:
-    """Template arguments of the partial kernel's stages: NS (stages, 0: none), TT (tokens a tile), RG (rows
-    a copy group: RG rows of `RB` bytes fill whole 16-byte copies and never straddle a page) and CG (bytes a
-    copy: 16, or 4 where page_size is not a multiple of RG). TT is a multiple of the block's `step` (tokens
+    """Template arguments of the partial kernel's stages: NS (stages, 0: none), TT (tokens a tile), RG and CG
+    (`_copy_geometry`). TT is a multiple of the block's `step` (tokens
     it works on at once) and of 4, at most a split's tokens (rounded up), and the stages fit the shared
     memory left beside the fixed arrays."""
     if tuning.stages == 0:
-        return [("NS", 0), ("TT", 4), ("RG", 1), ("CG", 4)]
+        return _NO_STAGES
     parts = 2 if fmt.is_raw else 1
     row_bytes = fmt.head_dim * fmt.key.dtype.size if fmt.is_raw else 4 * fmt.row_words
     unit = step * 4 // math.gcd(step, 4)
-    budget = _STATIC_SHARED_BYTES - _fixed_shared_bytes(fmt, group) - 64
+    budget = _ring_budget(fmt, group)
     tile = min(tuning.stage_bytes, budget // tuning.stages) // (parts * row_bytes) // unit * unit
     tile = max(unit, min(tile, -(-per_split // unit) * unit))
     stages = min(tuning.stages, budget // (parts * row_bytes * tile))
     if stages < 2:  # not even two tiles of the block's step fit: loads straight into registers
-        return [("NS", 0), ("TT", 4), ("RG", 1), ("CG", 4)]
-    group_rows = 16 // math.gcd(row_bytes, 16)
-    copy = 16 if page_size % group_rows == 0 else 4
-    return [("NS", stages), ("TT", tile), ("RG", group_rows if copy == 16 else 1), ("CG", copy)]
+        return _NO_STAGES
+    return [("NS", stages), ("TT", tile), *_copy_geometry(row_bytes, page_size)]
 
 
 def _mma_staging(fmt: LayerFormat, dtype: mx.Dtype, group: int, page_size: int, per_split: int,
                  tuning: Tuning) -> list | None:
     """Template arguments of the tensor-core kernel's ring (`kernels.cuda_mma`): W (warps), TT (tokens a
     tile: `16 * warps * unroll`, at most a split's tokens rounded up to 16), NS (stages), RG and CG
-    (compressed rows' copies, as `_staging`); stages, then tile tokens, are cut until the ring fits beside
-    the fixed arrays. None where the kernel does not serve the layer
-    (dtype, head_dim, group) or even two 16-token stages do not fit."""
+    (compressed rows' copies, `_copy_geometry`); stages, then tile tokens, are cut until the ring fits
+    beside the fixed arrays. None where the kernel does not serve the layer (dtype, head_dim, group) or
+    even two 16-token stages do not fit."""
     d = fmt.head_dim
     if dtype not in (mx.float16, mx.bfloat16) or d not in (64, 128) or group > 16:  # the shapes run on the H200
         return None
@@ -318,7 +330,7 @@ def _mma_staging(fmt: LayerFormat, dtype: mx.Dtype, group: int, page_size: int, 
         return None
     row_bytes = 2 * d if fmt.is_raw else 4 * fmt.row_words
     token_bytes = 2 * (d + 8) * 2 if fmt.is_raw else row_bytes  # raw: K and V rows padded to d + 8
-    budget = _STATIC_SHARED_BYTES - _fixed_shared_bytes(fmt, group) - 64
+    budget = _ring_budget(fmt, group)
     warps, stages = tuning.warps, max(2, tuning.stages)
     tile = min(16 * warps * tuning.unroll, -(-per_split // 16) * 16)
     while stages * tile * token_bytes > budget or 4 * warps * group * (d + 2) > budget:
@@ -328,9 +340,7 @@ def _mma_staging(fmt: LayerFormat, dtype: mx.Dtype, group: int, page_size: int, 
             tile -= 16
         else:
             return None
-    group_rows = 16 // math.gcd(row_bytes, 16)
-    copy = 16 if page_size % group_rows == 0 else 4
-    return [("W", warps), ("TT", tile), ("NS", stages), ("RG", group_rows if copy == 16 else 1), ("CG", copy)]
+    return [("W", warps), ("TT", tile), ("NS", stages), *_copy_geometry(row_bytes, page_size)]
 
 
 def _dims_per_lane(fmt: LayerFormat, wanted: int) -> int:
@@ -356,8 +366,9 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     other than 64 and 128, more than 16 query heads a kv head) the FMA kernel, its rows staged by
     `cp.async` (at 32 x 8K 3.0-3.8 ms against 3.6-4.4 loading straight to registers, over raw,
     affine4 and aura4v4). GPUs before compute capability 8.0 have neither `cp.async` nor
-    `mma.m16n8k16`: they load straight into registers, the next tile prefetched for many rows. Single-stream figures at 1 x 8K moved up to 2x between runs of one shape on the
-    lent hosts (clocks): the shapes were chosen on the 32K and 32 x 8K cases.
+    `mma.m16n8k16`: they load straight into registers, the next tile prefetched for many rows.
+    Single-stream figures at 1 x 8K moved up to 2x between runs of one shape on the lent hosts
+    (clocks): the shapes were chosen on the 32K and 32 x 8K cases.
     """
     wide = 16 if fmt.head_dim > 64 else 8
     waves = 4 if rows < NUM_SMS else 2

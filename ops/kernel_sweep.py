@@ -15,6 +15,7 @@ Prints JSON (not a test).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import time
@@ -125,11 +126,12 @@ def main() -> None:
 
         torch.cuda.init()  # CUPTI needs a CUDA context of PyTorch's own
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    tunings = [Tuning(*t) for t in itertools.product(ints(args.dims_per_lane), ints(args.unroll), ints(args.warps),
-                                                      ints(args.waves), map(bool, ints(args.query_in_registers)),
-                                                      map(bool, ints(args.prefetch)), ints(args.stages),
-                                                      ints(args.stage_bytes), map(bool, ints(args.mma)))
-               if not (t[5] and t[6]) and not (t[8] and (t[5] or t[6] < 2))]  # prefetch: unstaged only
+    grid = [Tuning(*t) for t in itertools.product(ints(args.dims_per_lane), ints(args.unroll), ints(args.warps),
+                                                   ints(args.waves), map(bool, ints(args.query_in_registers)),
+                                                   map(bool, ints(args.prefetch)), ints(args.stages),
+                                                   ints(args.stage_bytes), map(bool, ints(args.mma)))]
+    tunings = [t for t in grid  # prefetching is the unstaged FMA kernel's; the tensor-core kernel needs 2+ stages
+               if not (t.prefetch and t.stages) and not (t.mma and (t.prefetch or t.stages < 2))]
     results = []
     for model, scheme, case in itertools.product(args.models.split(","), args.schemes.split(","),
                                                  args.cases.split(",")):
@@ -165,10 +167,7 @@ def _write(path: str, results: list[dict]) -> None:
     Path(path).write_text(json.dumps(out, indent=1))
 
 
-def vars_of(t: Tuning) -> dict:
-    return {"dims_per_lane": t.dims_per_lane, "unroll": t.unroll, "warps": t.warps, "waves": t.waves,
-            "query_in_registers": t.query_in_registers, "prefetch": t.prefetch, "stages": t.stages,
-            "stage_bytes": t.stage_bytes, "mma": t.mma}
+vars_of = dataclasses.asdict  # a Tuning's fields as JSON
 
 
 if __name__ == "__main__":
