@@ -277,8 +277,9 @@ def _lanes_and_warps(fmt: LayerFormat, group: int, tuning: Tuning) -> tuple[int,
 
 
 def _fixed_shared_bytes(fmt: LayerFormat, group: int) -> int:
-    """The partial kernel's shared memory besides its stages and merge rows: the query `qs[G*D]`, codebooks
-    `cbs` (AURA: at most 512 floats) and page ids `pids[MAXPG]`, all 4 bytes each."""
+    """The partial kernel's shared memory besides its stages and merge rows (bytes): the query `qs[G*D]`
+    floats, codebooks `cbs` (AURA: at most 512 entries, floats in the FMA kernel, 16-bit in the
+    tensor-core kernel; 4 bytes each reserved) and page ids `pids[MAXPG]` ints."""
     return 4 * (group * fmt.head_dim + (512 if AURA in (fmt.key.kind, fmt.value.kind) else 1) + _MAX_SPLIT_PAGES)
 
 
@@ -321,12 +322,12 @@ def _mma_staging(fmt: LayerFormat, dtype: mx.Dtype, group: int, page_size: int, 
     """Template arguments of the tensor-core kernel's ring (`kernels.cuda_mma`): W (warps), TT (tokens a
     tile: `16 * warps * unroll`, at most a split's tokens rounded up to 16), NS (stages), RG and CG
     (compressed rows' copies, `_copy_geometry`); stages, then tile tokens, are cut until the ring fits
-    beside the fixed arrays. None where the kernel does not serve the layer (dtype, head_dim, group) or
-    even two 16-token stages do not fit."""
+    beside the fixed arrays. None where the kernel does not serve the layer (dtype, head_dim, group, a
+    lane's codes not whole words: `_whole_lane_words`) or even two 16-token stages do not fit."""
     d = fmt.head_dim
     if dtype not in (mx.float16, mx.bfloat16) or d not in (64, 128) or group > 16:  # the shapes run on the H200
         return None
-    if fmt.is_raw and fmt.key.dtype != dtype:
+    if fmt.is_raw and fmt.key.dtype != dtype or not fmt.is_raw and not _whole_lane_words(fmt):
         return None
     row_bytes = 2 * d if fmt.is_raw else 4 * fmt.row_words
     token_bytes = 2 * (d + 8) * 2 if fmt.is_raw else row_bytes  # raw: K and V rows padded to d + 8
@@ -343,6 +344,15 @@ def _mma_staging(fmt: LayerFormat, dtype: mx.Dtype, group: int, page_size: int, 
     return [("W", warps), ("TT", tile), ("NS", stages), *_copy_geometry(row_bytes, page_size)]
 
 
+def _whole_lane_words(fmt: LayerFormat) -> bool:
+    """Whether the tensor-core kernel's lanes hold whole words of a compressed row: a lane decodes
+    head_dim / 4 contiguous dims of every key and head_dim / 8 of every value, each span inside one
+    affine group (`kernels.cuda_mma`). Not so, e.g., for 2-bit values at head_dim 64 (16 bits a lane)."""
+    spans = ((fmt.key, fmt.head_dim // 4), (fmt.value, fmt.head_dim // 8))
+    return all(span * part.bits % 32 == 0 and (part.kind != AFFINE or part.group_size % span == 0)
+               for part, span in spans)
+
+
 def _dims_per_lane(fmt: LayerFormat, wanted: int) -> int:
     """`wanted`, cut so a lane's dims stay within the head, one affine group, and 32 lanes cover the head."""
     groups = [p.group_size for p in (fmt.key, fmt.value) if p.kind == AFFINE]
@@ -357,25 +367,31 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
         fmt (LayerFormat): The layer's format.
         rows (int): Sequences times kv heads of the launch (one block walks one of them per split).
 
-    The tensor-core kernel wherever it serves the layer: at 32 streams x 8K (llama shape, 16 layers)
-    it took 2.55 ms against 3.38 for the best FMA kernel over raw K/V, 2.69 against 3.33 over affine4
-    and 2.51 against 2.99 over aura4v4; at 1 x 32K over raw 0.50 against 0.68 (0.48 against 0.72 in
-    another run). Four warps and a 64-token tile at head_dim 64, two warps at 128 (the padded tiles of
-    raw K/V must fit 48 KB). Few rows (`rows < NUM_SMS`): four waves of blocks (short splits across
-    every SM); many rows: two, each block walking a long row. Elsewhere (float32 queries, head_dims
-    other than 64 and 128, more than 16 query heads a kv head) the FMA kernel, its rows staged by
-    `cp.async` (at 32 x 8K 3.0-3.8 ms against 3.6-4.4 loading straight to registers, over raw,
-    affine4 and aura4v4). GPUs before compute capability 8.0 have neither `cp.async` nor
-    `mma.m16n8k16`: they load straight into registers, the next tile prefetched for many rows.
-    Single-stream figures at 1 x 8K moved up to 2x between runs of one shape on the lent hosts
-    (clocks): the shapes were chosen on the 32K and 32 x 8K cases.
+    The tensor-core kernel wherever it serves the layer. At 32 streams x 8K (llama shape, 16 layers)
+    it took 2.65 ms over raw K/V (best FMA kernel 3.38), 2.63 over affine4 (3.33) and 2.36 over
+    aura4v4 (2.99); at 1 x 32K 0.49 over raw (FMA 1.25) and 0.50 over aura4v4 (0.65). Over affine4
+    at 1 x 32K the FMA kernel was faster (0.66 against 0.84 ms), at 1 x 8K slower (0.56 against
+    0.30): in the engine, where a single stream's step is bound by the host, affine4 on the tensor
+    cores ran at 1.15 / 1.02 of raw at 8K / 32K, so it stays there. Four warps at head_dim 64, two at
+    128 (the padded tiles of raw K/V must fit 48 KB); tiles of 64 tokens, 128 for compressed K/V over
+    many rows at head_dim 64 (aura4v4 2.36 against 2.55 ms, affine4 2.63 against 2.74; not measured
+    at 128). Few rows (`rows < NUM_SMS`): four waves of blocks (short splits across every SM); many
+    rows: two, each block walking a long row. Elsewhere (float32 queries, head_dims other than 64 and
+    128, more than 16 query heads a kv head, a lane's codes not whole words) the FMA kernel, its rows
+    staged by `cp.async` (at 32 x 8K 3.0-3.8 ms against 3.6-4.4 loading straight to registers). GPUs
+    before compute capability 8.0 have neither `cp.async` nor `mma.m16n8k16`: they load straight into
+    registers, the next tile prefetched for many rows. Single-stream figures at 1 x 8K moved up to 2x
+    between runs of one shape on the lent hosts (clocks): the shapes were chosen on the 32K and
+    32 x 8K cases.
     """
     wide = 16 if fmt.head_dim > 64 else 8
-    waves = 4 if rows < NUM_SMS else 2
+    many = rows >= NUM_SMS
+    waves = 2 if many else 4
     if _compute_capability() < 8:
-        return Tuning(dims_per_lane=wide, unroll=1, warps=4, waves=waves, prefetch=rows >= NUM_SMS)
-    return Tuning(dims_per_lane=wide, unroll=1, warps=4 if fmt.head_dim <= 64 else 2, waves=waves, stages=4,
-                  mma=True)
+        return Tuning(dims_per_lane=wide, unroll=1, warps=4, waves=waves, prefetch=many)
+    long_tiles = many and not fmt.is_raw and fmt.head_dim <= 64  # measured at head_dim 64 only
+    return Tuning(dims_per_lane=wide, unroll=2 if long_tiles else 1, warps=4 if fmt.head_dim <= 64 else 2,
+                  waves=waves, stages=4, mma=True)
 
 
 @functools.cache

@@ -11,8 +11,12 @@ distinct banks), compressed rows as they are stored. Each warp takes 16-token ch
 S = Q K^T (D / 16 k-steps x two n-blocks of 8 tokens), the online softmax on the accumulator
 fragments (a row's four lanes reduce by two shuffles), then O += P V with P's accumulators
 reused as the A operand (FlashAttention-2's register trick) and V as the B operand. A compressed
-element is decoded (`code_at`, scales folded in) by the one lane whose fragment holds it, so
-every code of a tile is unpacked once. The warps' states merge in shared memory (`merge_states`).
+element is decoded by the one lane whose fragment holds it, so every code of a tile is unpacked
+once: an affine one to `scale * q + bias`; an AURA one to its unit centroid, looked up in a 16-bit
+table, with the vector's scale applied outside the products (keys' to the scores, values' to P).
+Since a product's contraction order is free, compressed dims are permuted per lane (below: KSPAN,
+VSPAN) so that a lane's codes are whole words. The warps' states merge in shared memory
+(`merge_states`).
 
 Slots past a split's end score -inf and their V elements are zeros (a NaN left in storage never
 reaches an output: 0 * NaN would).
@@ -48,22 +52,17 @@ __device__ __forceinline__ uint32_t pair(T lo, T hi) {
   return a | ((uint32_t)b << 16);
 }
 
-// Element d of one part of a compressed row (codes `codes`, meta halves `meta`): affine `scale * q + bias`
-// of its group, AURA the unit centroid `cb[q]` (the caller applies the vector's scale).
-template <int MODE, int BITS, int GS, int D>
-__device__ __forceinline__ float code_at(const uint32_t* codes, const __half* meta, const float* cb, int d) {
-  const int bit = d * BITS, w = bit / 32, o = bit % 32;
-  uint32_t q = codes[w] >> o;
-  if constexpr (32 % BITS != 0) {
-    if (o + BITS > 32) q |= codes[w + 1] << (32 - o);
-  }
-  q &= (1u << BITS) - 1u;
-  if constexpr (MODE == 1) {
-    return fmaf(__half2float(meta[d / GS]), __uint_as_float(0x4B000000u | q) - 8388608.0f, __half2float(meta[D / GS + d / GS]));
-  } else {
-    return cb[q];
-  }
+// Code i of the codes packed from bit 0 of the words `w` (i a compile-time constant once unrolled).
+template <int BITS, int NW>
+__device__ __forceinline__ uint32_t lane_code(const uint32_t (&w)[NW], int i) {
+  const int bit = i * BITS, k = bit / 32, o = bit % 32;
+  uint32_t q = w[k] >> o;
+  if (32 % BITS != 0 && o + BITS > 32) q |= w[k + 1] << (32 - o);
+  return q & ((1u << BITS) - 1u);
 }
+
+// A code as a float (exact: q < 2^23).
+__device__ __forceinline__ float code_float(uint32_t q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
 
 // c += A B: one m16n8k16 tensor-core product (A row-major 16 x 16, B col-major 16 x 8, float32 c).
 template <typename T>
@@ -90,6 +89,14 @@ PARTIAL_MMA = r"""
   constexpr int EPI = W * G * (D + 2) * 4;
   constexpr int SMEM = RING > EPI ? RING : EPI;
   constexpr int KSTEPS = D / 16, NBLK = D / 8;
+  // Compressed rows: lane t = lane % 4 holds dims [t * KSPAN, + KSPAN) of every key (KLW whole words of
+  // codes; the query's columns are permuted alike), lane group gid dims [gid * VSPAN, + VSPAN) of every
+  // value (VLW words), so a lane loads its words once a row and every shift is a compile-time constant.
+  constexpr int KSPAN = D / 4, VSPAN = D / 8;
+  constexpr int KLW = RAW ? 1 : KSPAN * KBITS / 32, VLW = RAW ? 1 : VSPAN * VBITS / 32;
+  static_assert(RAW || (KSPAN * KBITS % 32 == 0 && VSPAN * VBITS % 32 == 0), "a lane's codes are whole words");
+  static_assert(KMODE != 1 || KGS % KSPAN == 0, "a lane's key dims lie in one affine group");
+  static_assert(VMODE != 1 || VGS % VSPAN == 0, "a lane's value dims lie in one affine group");
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gid = lane / 4, c0 = (lane % 4) * 2;  // fragment row group, column pair
@@ -99,7 +106,7 @@ PARTIAL_MMA = r"""
   const int t_end = min(t_begin + tps, lens[b]);
 
   constexpr int KCB = KMODE == 2 ? 1 << KBITS : 0, VCB = VMODE == 2 ? 1 << VBITS : 0;  // AURA centroids
-  __shared__ float cbs[KCB + VCB > 0 ? KCB + VCB : 1];
+  __shared__ T cbs[KCB + VCB > 0 ? KCB + VCB : 1];  // as T: a table entry is a B operand element
   __shared__ float qs[G * D];
   __shared__ int pids[MAXPG];
   __shared__ __align__(16) unsigned char smem[SMEM];
@@ -155,7 +162,8 @@ PARTIAL_MMA = r"""
   for (int kk = 0; kk < KSTEPS; ++kk) {
 #pragma unroll
     for (int f = 0; f < 4; ++f) {
-      const int row = gid + (f & 1) * 8, col = kk * 16 + c0 + (f >> 1) * 8;
+      const int row = gid + (f & 1) * 8;
+      const int col = RAW ? kk * 16 + c0 + (f >> 1) * 8 : (lane % 4) * KSPAN + 4 * kk + 2 * (f >> 1);
       qa[kk][f] = row < G ? pack2<T>(qs[row * D + col], qs[row * D + col + 1]) : 0u;
     }
   }
@@ -178,29 +186,54 @@ PARTIAL_MMA = r"""
       }
     }
     for (int j0 = warp * 16; j0 < rows; j0 += 16 * W) {  // this warp's 16-token chunks
+      // AURA vector scales of this lane's accumulator columns, tokens j0 + 8 nb + c0 + x (the same tokens
+      // its P fragment holds): keys' scale the scores, values' the probabilities (0 past the end).
+      float ks[2][2], vs[2][2];
+      if constexpr (KMODE == 2 || VMODE == 2) {
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            const int jt = j0 + nb * 8 + c0 + x;
+            const __half* meta = reinterpret_cast<const __half*>(reinterpret_cast<const uint32_t*>(stage) + jt * ROWW + MOFF);
+            ks[nb][x] = KMODE == 2 ? __half2float(meta[0]) : 1.f;
+            vs[nb][x] = VMODE == 2 && jt < rows ? __half2float(meta[KMH]) : 0.f;
+          }
+        }
+      }
       float s[2][4];
 #pragma unroll
       for (int nb = 0; nb < 2; ++nb) {  // S = Q K^T for tokens j0 + 8 nb .. + 7; this lane's B column: token gid
         s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
         const int j = j0 + nb * 8 + gid;
+        if constexpr (RAW) {
 #pragma unroll
-        for (int kk = 0; kk < KSTEPS; ++kk) {
-          uint32_t b0, b1;
-          if constexpr (RAW) {
+          for (int kk = 0; kk < KSTEPS; ++kk) {
             const T* krow = reinterpret_cast<const T*>(stage) + j * DP + kk * 16 + c0;
-            b0 = *reinterpret_cast<const uint32_t*>(krow);
-            b1 = *reinterpret_cast<const uint32_t*>(krow + 8);
-          } else {  // codes decoded where they land: each element of the tile once, by one lane
-            const uint32_t* row = reinterpret_cast<const uint32_t*>(stage) + j * ROWW;
-            const __half* meta = reinterpret_cast<const __half*>(row + MOFF);
-            const float f = KMODE == 2 ? __half2float(meta[0]) : 1.f;
-            const int d = kk * 16 + c0;
-            b0 = pack2<T>(code_at<KMODE, KBITS, KGS, D>(row, meta, cbs, d) * f,
-                          code_at<KMODE, KBITS, KGS, D>(row, meta, cbs, d + 1) * f);
-            b1 = pack2<T>(code_at<KMODE, KBITS, KGS, D>(row, meta, cbs, d + 8) * f,
-                          code_at<KMODE, KBITS, KGS, D>(row, meta, cbs, d + 9) * f);
+            mma16816<T>(s[nb], qa[kk], *reinterpret_cast<const uint32_t*>(krow), *reinterpret_cast<const uint32_t*>(krow + 8));
           }
-          mma16816<T>(s[nb], qa[kk], b0, b1);
+        } else {  // codes decoded where they land: each element of the tile once, by one lane
+          const uint32_t* row = reinterpret_cast<const uint32_t*>(stage) + j * ROWW;
+          uint32_t kw[KLW];
+#pragma unroll
+          for (int v = 0; v < KLW; ++v) kw[v] = row[(lane % 4) * KLW + v];
+          float sc = 1.f, bi = 0.f;  // affine: the lane's group
+          if constexpr (KMODE == 1) {
+            const __half* meta = reinterpret_cast<const __half*>(row + MOFF);
+            sc = __half2float(meta[(lane % 4) * KSPAN / KGS]);
+            bi = __half2float(meta[D / KGS + (lane % 4) * KSPAN / KGS]);
+          }
+          auto b = [&](int i) {  // B register of the lane's codes i, i + 1 (AURA: unit centroids, scaled below)
+            const uint32_t q0 = lane_code<KBITS>(kw, i), q1 = lane_code<KBITS>(kw, i + 1);
+            if constexpr (KMODE == 2) return pair<T>(cbs[q0], cbs[q1]);
+            else return pack2<T>(fmaf(sc, code_float(q0), bi), fmaf(sc, code_float(q1), bi));
+          };
+#pragma unroll
+          for (int kk = 0; kk < KSTEPS; ++kk) mma16816<T>(s[nb], qa[kk], b(4 * kk), b(4 * kk + 2));
+          if constexpr (KMODE == 2) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nb][e] *= ks[nb][e & 1];
+          }
         }
       }
       float mx[2] = {m[0], m[1]};
@@ -222,7 +255,7 @@ PARTIAL_MMA = r"""
         for (int n = 0; n < NBLK; ++n) { acc[n][2 * r] *= a; acc[n][2 * r + 1] *= a; }
         m[r] = mx[r];
       }
-      uint32_t pa[4];  // P as the A operand: tokens c0, c0 + 1 (+ 8) of rows gid (+ 8)
+      uint32_t pa[4];  // P as the A operand: tokens c0, c0 + 1 (+ 8) of rows gid (+ 8); AURA: times V's scales
 #pragma unroll
       for (int nb = 0; nb < 2; ++nb) {
         float p[4];
@@ -230,6 +263,7 @@ PARTIAL_MMA = r"""
         for (int e = 0; e < 4; ++e) {
           p[e] = fast_exp2(s[nb][e] - m[e >> 1]);
           l[e >> 1] += p[e];
+          if constexpr (VMODE == 2) p[e] *= vs[nb][e & 1];
         }
         pa[2 * nb] = pack2<T>(p[0], p[1]);
         pa[2 * nb + 1] = pack2<T>(p[2], p[3]);
@@ -242,27 +276,28 @@ PARTIAL_MMA = r"""
           const T* v = v0 + n * 8;
           mma16816<T>(acc[n], pa, pair<T>(v[0], v[DP]), pair<T>(v[8 * DP], v[9 * DP]));
         }
-      } else {
-        const uint32_t* vr[4];
-        const __half* vm[4];
-        float vf[4];
+      } else {  // this lane's B rows: tokens j0 + c0 + {0, 1, 8, 9}; its dims gid * VSPAN + n
+        uint32_t vw[4][VLW];
+        float sc[4], bi[4];  // affine: the group of the lane's dims, 0 where the row is not live
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int j = j0 + c0 + (e & 1) + (e >> 1) * 8;
-          vr[e] = reinterpret_cast<const uint32_t*>(stage) + j * ROWW + KWORDS;
-          vm[e] = reinterpret_cast<const __half*>(reinterpret_cast<const uint32_t*>(stage) + j * ROWW + MOFF) + KMH;
-          vf[e] = j >= rows ? 0.f : (VMODE == 2 ? __half2float(vm[e][0]) : 1.f);  // rows past the end: zeros
-        }
+          const uint32_t* row = reinterpret_cast<const uint32_t*>(stage) + j * ROWW;
 #pragma unroll
-        for (int n = 0; n < NBLK; ++n) {
-          float x[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float y = code_at<VMODE, VBITS, VGS, D>(vr[e], vm[e], cbs + KCB, n * 8 + gid) * vf[e];
-            x[e] = vf[e] == 0.f ? 0.f : y;  // a zero, not 0 * NaN, where the row is not live
+          for (int v = 0; v < VLW; ++v) vw[e][v] = row[KWORDS + gid * VLW + v];
+          if constexpr (VMODE == 1) {  // a zero, not 0 * NaN, where the row is not live
+            const __half* meta = reinterpret_cast<const __half*>(row + MOFF) + KMH;
+            sc[e] = j < rows ? __half2float(meta[gid * VSPAN / VGS]) : 0.f;
+            bi[e] = j < rows ? __half2float(meta[D / VGS + gid * VSPAN / VGS]) : 0.f;
           }
-          mma16816<T>(acc[n], pa, pack2<T>(x[0], x[1]), pack2<T>(x[2], x[3]));
         }
+        auto x = [&](int e, int n) {  // AURA: centroids (finite whatever the bits; P carries the scales)
+          const uint32_t q = lane_code<VBITS>(vw[e], n);
+          if constexpr (VMODE == 2) return cbs[KCB + q];
+          else return static_cast<T>(fmaf(sc[e], code_float(q), bi[e]));
+        };
+#pragma unroll
+        for (int n = 0; n < NBLK; ++n) mma16816<T>(acc[n], pa, pair<T>(x(0, n), x(1, n)), pair<T>(x(2, n), x(3, n)));
       }
     }
   }
@@ -281,8 +316,9 @@ PARTIAL_MMA = r"""
       if (c0 == 0) { sm_m[warp * G + g] = m[r]; sm_l[warp * G + g] = l[r]; }
 #pragma unroll
       for (int n = 0; n < NBLK; ++n) {
-        sm_acc[(warp * G + g) * D + n * 8 + c0] = acc[n][2 * r];
-        sm_acc[(warp * G + g) * D + n * 8 + c0 + 1] = acc[n][2 * r + 1];
+        // output column c0 + x of n-block n: dim 8 n + c0 + x (raw), (c0 + x) * VSPAN + n (compressed)
+        sm_acc[(warp * G + g) * D + (RAW ? n * 8 + c0 : c0 * VSPAN + n)] = acc[n][2 * r];
+        sm_acc[(warp * G + g) * D + (RAW ? n * 8 + c0 + 1 : (c0 + 1) * VSPAN + n)] = acc[n][2 * r + 1];
       }
     }
   }

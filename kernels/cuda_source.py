@@ -223,15 +223,15 @@ __device__ __forceinline__ void merge_states(const float* sm_m, const float* sm_
 }
 
 // Stages a split's AURA centroids (keys' 2^KB, then values' 2^VB, from `cb`: keys at 0, values at
-// 256) into `cbs`, and its page ids (pages pg0 .. of the row's `table` holding slots < t_end) into
+// 256) into `cbs` (as `CT`: float, or the tensor-core kernel's 16-bit T), and its page ids (pages pg0 .. of the row's `table` holding slots < t_end) into
 // `pids`. Every thread of the block calls it; the caller synchronizes.
-template <int KCB, int VCB, int NT>
+template <int KCB, int VCB, int NT, typename CT>
 __device__ __forceinline__ void stage_split(const float* cb, const int* table, int pg0, int t_end, int P,
-                                            float* cbs, int* pids) {
+                                            CT* cbs, int* pids) {
 #pragma unroll
   for (int j = 0; j < (KCB + VCB + NT - 1) / NT; ++j) {  // unrolled: loads in flight together
     const int i = threadIdx.x + j * NT;
-    if (i < KCB + VCB) cbs[i] = i < KCB ? cb[i] : cb[256 + i - KCB];
+    if (i < KCB + VCB) cbs[i] = static_cast<CT>(i < KCB ? cb[i] : cb[256 + i - KCB]);
   }
   for (int i = threadIdx.x; pg0 + i < (t_end + P - 1) / P; i += blockDim.x) pids[i] = table[pg0 + i];
 }

@@ -3,7 +3,8 @@
 MLX has no GPU timer, so this borrows PyTorch's profiler (CUPTI activity records cover every
 kernel of the process, MLX's included). It drives `EngineCore` over random-weight streams, then
 reports per decode step the GPU's busy time (kernels, overlaps merged), the span from first to
-last kernel, and kernel time by name. Host activity is recorded too, which slows the host: compare
+last kernel, and kernel time by name (with deciles of a call's time: a name's calls from prefill
+and from decode differ in size). Host activity is recorded too, which slows the host: compare
 busy time with an unprofiled run's wall time per step. Busy close to the wall time per step means the step is
 bound by GPU execution, not by the host's launches.
 
@@ -76,7 +77,7 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     by_name = collections.defaultdict(list)  # kernel name -> each call's µs
     for e in kernels:
-        by_name[e.name[:90]].append(e.device_time_total)
+        by_name[e.name[:200]].append(e.device_time_total)
     spans = [(e.time_range.start, e.time_range.end) for e in kernels]
     busy, span = busy_us(spans), max(e for _, e in spans) - min(s for s, _ in spans)
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
@@ -87,6 +88,7 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
             "kernels_per_step": round(len(kernels) / tokens, 1),
             "top": [{"name": name, "count": len(us), "us_total": round(sum(us), 1),
                      "us_per_step": round(sum(us) / tokens, 2), "us_median": round(statistics.median(us), 2),
+                     "us_deciles": [round(x, 1) for x in statistics.quantiles(us, n=10)] if len(us) > 1 else us,
                      "us_max": round(max(us), 1)} for name, us in ranked]}
 
 

@@ -13,17 +13,25 @@ import mlx.core as mx
 import pytest
 
 from kernels import cuda_kv
-from kernels.kv_format import AURA
+from kernels.kv_format import AFFINE, AURA
 from services.engine.cache.schemes import layer_format
 
 SCHEMES = ["raw", "affine8", "affine4", "aura8v4", "aura4v4", "aura4v2", "aura8v8"]
 LIMIT = 48 * 1024
 
 
-def fixed_bytes(fmt, group: int) -> int:
-    """`qs[G*D]` floats, `cbs` (2^KBITS + 2^VBITS AURA centroids, or 1) floats, `pids[256]` ints."""
+def fixed_bytes(fmt, group: int, centroid_bytes: int = 4) -> int:
+    """`qs[G*D]` floats, `cbs` (2^KBITS + 2^VBITS AURA centroids, or 1: floats, or 16-bit T in the
+    tensor-core kernel), `pids[256]` ints."""
     cents = sum(1 << p.bits for p in (fmt.key, fmt.value) if p.kind == AURA)
-    return 4 * (group * fmt.head_dim + max(cents, 1) + 256)
+    return 4 * (group * fmt.head_dim + 256) + centroid_bytes * max(cents, 1)
+
+
+def lane_words_whole(fmt) -> bool:
+    """A tensor-core lane decodes head_dim / 4 dims of a key and head_dim / 8 of a value: whole words of
+    codes, inside one affine group."""
+    return all(span * p.bits % 32 == 0 and (p.kind != AFFINE or p.group_size % span == 0)
+               for p, span in ((fmt.key, fmt.head_dim // 4), (fmt.value, fmt.head_dim // 8)))
 
 
 @pytest.mark.parametrize("scheme, head_dim, group", list(itertools.product(SCHEMES, [64, 128], [1, 4, 8, 16])))
@@ -34,13 +42,16 @@ def test_tensor_core_plans_fit_shared_memory(scheme, head_dim, group, page):
                                                 for w, u, s in itertools.product([1, 2, 4], [1, 2], [2, 4])],
                                                [page, 128 + page, 8192]):
         plan = cuda_kv._mma_staging(fmt, mx.bfloat16, group, page, per_split, tuning)
+        if not fmt.is_raw and not lane_words_whole(fmt):
+            assert plan is None  # aura4v2 at head_dim 64: a lane's 8 value dims are 16 bits
+            continue
         assert plan is not None, (tuning, per_split)
         args = dict(plan)
         assert args["TT"] % 16 == 0 and args["NS"] >= 2 and args["W"] == tuning.warps
         token = 2 * (head_dim + 8) * 2 if fmt.is_raw else 4 * fmt.row_words
         ring = args["NS"] * args["TT"] * token
         merge = args["W"] * group * (head_dim + 2) * 4
-        assert fixed_bytes(fmt, group) + max(ring, merge) <= LIMIT, (tuning, args)
+        assert fixed_bytes(fmt, group, centroid_bytes=2) + max(ring, merge) <= LIMIT, (tuning, args)
         if args["CG"] == 16:  # whole 16-byte copies: row groups inside a page, 16-byte aligned
             assert page % args["RG"] == 0 and (args["RG"] * token) % 16 == 0 or fmt.is_raw
 
@@ -70,6 +81,9 @@ def test_tensor_cores_serve_16_bit_queries_of_head_dim_64_or_128_and_up_to_16_he
     assert plan(layer_format("affine4", layer=0, dtype=mx.bfloat16, head_dim=256)) is None
     assert plan(layer_format("affine4", layer=0, dtype=mx.bfloat16, head_dim=32)) is None
     assert plan(layer_format("raw", layer=0, dtype=mx.float16, head_dim=64)) is None  # raw K/V of another dtype
+    # A lane decodes head_dim / 8 dims of a value: 2-bit codes fill a word at head_dim 128, not at 64.
+    assert plan(layer_format("aura4v2", layer=0, dtype=mx.bfloat16, head_dim=64)) is None
+    assert plan(layer_format("aura4v2", layer=0, dtype=mx.bfloat16, head_dim=128)) is not None
 
 
 def test_gpus_before_ampere_load_straight_into_registers(monkeypatch):
