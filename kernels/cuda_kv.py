@@ -35,6 +35,10 @@ def is_available() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
+_PARTIAL_IO = dict(input_names=["q", "kp", "vp", "kt", "vt", "pt", "lens", "cb", "qsign", "params", "fparams"],
+                   output_names=["o_part", "ml_part"])  # both partial kernels'
+
+
 @functools.cache
 def _kernels() -> dict:
     kernel = functools.partial(mx.fast.cuda_kernel, header=HEADER)
@@ -42,13 +46,9 @@ def _kernels() -> dict:
         "encode": kernel(name="bm_kv_encode", input_names=["k", "v", "ksign", "vsign", "kedges", "kcents", "kindex",
                                                                  "vedges", "vcents", "vindex", "kmean"],
                          output_names=["out"], source=ENCODE, ensure_row_contiguous=False),
-        "partial": kernel(name="bm_paged_decode_partial",
-                          input_names=["q", "kp", "vp", "kt", "vt", "pt", "lens", "cb", "qsign", "params", "fparams"],
-                          output_names=["o_part", "ml_part"], source=PARTIAL),
-        "partial_mma": mx.fast.cuda_kernel(
-            name="bm_paged_decode_mma", header=HEADER + MMA_HEADER, source=PARTIAL_MMA,
-            input_names=["q", "kp", "vp", "kt", "vt", "pt", "lens", "cb", "qsign", "params", "fparams"],
-            output_names=["o_part", "ml_part"]),
+        "partial": kernel(name="bm_paged_decode_partial", source=PARTIAL, **_PARTIAL_IO),
+        "partial_mma": kernel(name="bm_paged_decode_mma", source=PARTIAL_MMA, header=HEADER + MMA_HEADER,
+                              **_PARTIAL_IO),
         "combine": kernel(name="bm_paged_decode_combine", input_names=["o_part", "ml_part", "sinks", "vsign"],
                           output_names=["out"], source=COMBINE),
     }

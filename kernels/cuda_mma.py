@@ -61,9 +61,6 @@ __device__ __forceinline__ uint32_t lane_code(const uint32_t (&w)[NW], int i) {
   return q & ((1u << BITS) - 1u);
 }
 
-// A code as a float (exact: q < 2^23).
-__device__ __forceinline__ float code_float(uint32_t q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
-
 // c += A B: one m16n8k16 tensor-core product (A row-major 16 x 16, B col-major 16 x 8, float32 c).
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {

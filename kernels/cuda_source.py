@@ -75,6 +75,9 @@ __device__ __forceinline__ void fetch_slice(
   }
 }
 
+// A code as a float, exactly (q < 2^23): its bits as a float's mantissa, less the float's 2^23.
+__device__ __forceinline__ float code_float(uint32_t q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
+
 // Dims [d0, d0 + DPL) of a fetched part as floats; returns the per-vector factor.
 // MODE 0: raw; 1: affine `scale * q + bias`; 2: AURA unit centroids from `cb` (factor: the scale).
 template <int MODE, int BITS, int GS, int D, int DPL, typename RT>
@@ -103,7 +106,7 @@ __device__ __forceinline__ float decode_slice(const Slice<MODE, BITS, D, DPL, RT
       q &= MASK;
       // Affine: q as a float through its bits (2^23 + q, exact, minus 2^23): a logic op and an add at
       // full rate, where an int-to-float conversion (I2F) issues at 1/8 of it and bounds the loop.
-      out[k] = MODE == 1 ? fmaf(x_s, __uint_as_float(0x4B000000u | q) - 8388608.0f, x_b) : cb[q];
+      out[k] = MODE == 1 ? fmaf(x_s, code_float(q), x_b) : cb[q];
     }
     return MODE == 1 ? 1.0f : x_s;
   }

@@ -263,7 +263,7 @@ def test_every_launch_shape_matches_float64_reference(tuning, scheme, head_dim, 
         np.testing.assert_allclose(got[b], want, atol=tolerance(), err_msg=f"row {b}")
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="the staged copies exist only in the CUDA kernels, which need MLX's CUDA backend")
+@pytest.mark.skipif(not ON_CUDA, reason="the staged copies exist only in the CUDA kernels, which need MLX's CUDA backend; run on the H200")
 @pytest.mark.parametrize("page", [5, 16])
 @pytest.mark.parametrize("scheme", ["raw", "aura4v4", "affine4"])
 def test_staged_copies_match_float64_reference(monkeypatch, scheme, page):
@@ -427,7 +427,7 @@ def angle_gap(x: np.ndarray, decoded: np.ndarray) -> np.ndarray:
     return 1 - np.sum(x * decoded, -1) / np.linalg.norm(x, axis=-1) / np.linalg.norm(decoded, axis=-1)
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="the CUDA encoder needs MLX's CUDA backend (the H200 run covers it)")
+@pytest.mark.skipif(not ON_CUDA, reason="the CUDA encoder kernel needs MLX's CUDA backend; run on the H200")
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES if s not in ("raw", "aura9v10")])  # what the kernels take
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("centered", [False, True], ids=["as-is", "centered"])
@@ -441,7 +441,7 @@ def test_cuda_encoder_matches_mlx_ops_encoder(scheme, head_dim, centered):
     assert_encoder_matches_mlx_ops(fmt, batch=2, tokens=40, heads=3, mean=mean)
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="the CUDA encoder needs MLX's CUDA backend (the H200 run covers it)")
+@pytest.mark.skipif(not ON_CUDA, reason="the CUDA encoder kernel needs MLX's CUDA backend; run on the H200")
 @pytest.mark.parametrize("scheme", ["affine4", "aura4v4", "aura8v4"])
 @pytest.mark.parametrize("heads", [1, 3])
 def test_cuda_encoder_codes_one_decode_token(scheme, heads):

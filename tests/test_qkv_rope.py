@@ -155,7 +155,7 @@ CODED = [  # scheme, head_dim, rope, q/k norm, keys centered
 ]
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="the fused coding is a CUDA kernel (the H200 run covers it)")
+@pytest.mark.skipif(not ON_CUDA, reason="the fused coding is a CUDA kernel, which needs MLX's CUDA backend; run on the H200")
 @pytest.mark.parametrize("scheme, head_dim, rope, norm, centered", CODED)
 def test_fused_coding_equals_split_then_encode_rows(scheme, head_dim, rope, norm, centered):
     """One launch gives the q of `split_qkv_rope` and the rows `encode_rows` codes from its k and v, bit for bit."""
