@@ -200,6 +200,17 @@ def run_decode(loaded, args) -> list[dict]:
                    "runs_launch_share": [round(r["host"]["launch_s"] / r["host"]["timed_s"], 3) for r in done]}
             rows.append(row)
             print(json.dumps(row), flush=True)
+    if args.interleave:
+        for context in args.contexts:
+            rates = interleaved_rates(loaded, context, args)
+            for r in rows:
+                if r["context_tokens"] == context:
+                    rate = rates[r["scheme"]]
+                    r["interleaved_tokens_per_s"] = rate["tokens_per_s"]
+                    r["interleaved_round_tokens_per_s"] = rate["round_tokens_per_s"]
+                    r["interleaved_ratio_to_raw"] = rate["tokens_per_s"] / rates["raw"]["tokens_per_s"] if "raw" in rates else None
+                    print(json.dumps({k: v for k, v in r.items() if k.startswith(("scheme", "context", "interleaved_t", "interleaved_ra"))}),
+                          flush=True)
     raw = {r["context_tokens"]: r for r in rows if r["scheme"] == "raw"}
     for r in rows:  # best against best, and median against median (a noisy host can favour either)
         r["median_tokens_per_s"] = statistics.median(r["runs_tokens_per_s"])
@@ -208,6 +219,50 @@ def run_decode(loaded, args) -> list[dict]:
         r["median_ratio_to_raw"] = (r["median_tokens_per_s"] / statistics.median(base["runs_tokens_per_s"])
                                     if base else None)
     return rows
+
+
+def interleaved_rates(loaded, context: int, args) -> dict[str, dict]:
+    """Every scheme's engine at once, stepped in turn: per round, one `EngineCore.step` of each (a
+    decode window), waited for before the next engine's, so a host whose speed drifts over the run
+    (single-stream steps are bound by the host) slows every scheme alike.
+
+    Returns:
+        dict[str, dict]: per scheme, `tokens_per_s` (tokens over seconds of the rounds after every
+        stream has `--warmup` tokens) and `round_tokens_per_s` (each timed round's window).
+    """
+    from ops.engine_fill import filled_engine
+
+    engines, rounds = {}, {}
+    for scheme in args.schemes:
+        core, requests = filled_engine(loaded, scheme, [context] * args.streams, max_tokens=args.warmup + args.steps,
+                                       decode_window=args.decode_window)
+        for request in requests:
+            core.add_request(request)
+        engines[scheme], rounds[scheme] = core, []
+    mx.eval([a for core in engines.values() for a in core.cache.arrays])
+    produced = dict.fromkeys(engines, 0)
+    while any(core.has_unfinished() for core in engines.values()):
+        for scheme, core in engines.items():
+            if not core.has_unfinished():
+                continue
+            begin = time.perf_counter()
+            outputs = core.step()  # collects the last window, launches the next
+            mx.synchronize()  # ... and waits for it: the next engine starts on an idle GPU
+            seconds = time.perf_counter() - begin
+            tokens = sum(len(out.new_token_ids) for out in outputs)
+            if rounds[scheme]:  # this step's tokens are the window timed by the last one
+                rounds[scheme][-1][0] = tokens
+            if produced[scheme] >= args.warmup * args.streams:
+                rounds[scheme].append([0, seconds])
+            produced[scheme] += tokens
+    out = {}
+    for scheme, timed in rounds.items():
+        timed = [(n, t) for n, t in timed if n]
+        out[scheme] = {"tokens_per_s": sum(n for n, _ in timed) / sum(t for _, t in timed),
+                       "round_tokens_per_s": [round(n / t, 1) for n, t in timed]}
+    del engines
+    gc.collect()
+    return out
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -310,6 +365,8 @@ def parse_args() -> argparse.Namespace:
                         help="decode mode: instead of --streams, as many streams as this KV budget holds per scheme")
     parser.add_argument("--decode-window", type=int, default=None,
                         help="decode steps per host sync (decode mode; default: the engine's, 16 on a GPU, 8 on the CPU)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="decode mode: also time every scheme's engine at once, one window each in turn")
     parser.add_argument("--fill-chunk", type=int, default=1024, help="tokens of random K/V written per call")
     parser.add_argument("--prefill-queries", type=int, default=512, help="prefill-phase queries (attention mode)")
     parser.add_argument("--prefill-tokens", type=int, default=4096)

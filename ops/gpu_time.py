@@ -3,7 +3,7 @@
 MLX has no GPU timer, so this borrows PyTorch's profiler (CUPTI activity records cover every
 kernel of the process, MLX's included). It drives `EngineCore` over random-weight streams, then
 reports per decode step the GPU's busy time (kernels, overlaps merged), the span from first to
-last kernel, and kernel time by name (with deciles of a call's time: a name's calls from prefill
+last kernel, the idle gaps between kernels by length, and kernel time by name (with deciles of a call's time: a name's calls from prefill
 and from decode differ in size). Host activity is recorded too, which slows the host: compare
 busy time with an unprofiled run's wall time per step. Busy close to the wall time per step means the step is
 bound by GPU execution, not by the host's launches.
@@ -43,7 +43,33 @@ def busy_us(spans: list[tuple[float, float]]) -> float:
     return total + (0.0 if end is None else end - start)
 
 
-def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw", context: int = 0) -> dict:
+GAP_EDGES_US = (2.0, 5.0, 20.0, 100.0)  # idle gaps between kernels, bucketed: graph-internal ... host-starved
+
+
+def idle_gaps(spans: list[tuple[float, float]]) -> dict[str, list[float]]:
+    """Idle time between kernels of [start, end) intervals (µs), bucketed by gap length.
+
+    Returns:
+        dict[str, list[float]]: per bucket ("<2", "2-5", "5-20", "20-100", ">=100" µs) the gap
+        count and their total µs. Small gaps are the GPU's own cost between launches of one
+        graph; long ones are the GPU waiting for the host (or for a synchronization).
+    """
+    names = [f"<{GAP_EDGES_US[0]:g}"] + [f"{a:g}-{b:g}" for a, b in zip(GAP_EDGES_US, GAP_EDGES_US[1:])]
+    names.append(f">={GAP_EDGES_US[-1]:g}")
+    out = {name: [0, 0.0] for name in names}
+    end = None
+    for s, e in sorted(spans):
+        if end is not None and s > end:
+            gap = s - end
+            name = names[sum(gap >= edge for edge in GAP_EDGES_US)]
+            out[name][0] += 1
+            out[name][1] += gap
+        end = e if end is None else max(end, e)
+    return {name: [n, round(us, 1)] for name, (n, us) in out.items()}
+
+
+def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw", context: int = 0,
+                  host_trace: bool = True) -> dict:
     """One run of `batch` streams decoding `tokens` each under the profiler, after an untimed warm-up run.
 
     `context` 0: short random prompts (`ops.bench_batching`); else every stream starts from
@@ -70,7 +96,8 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
             return lambda: run_ours(core, prompts, tokens)
     run()()
     timed = run()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if host_trace else [ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         rate = timed()
         wall = time.perf_counter() - t0
@@ -86,6 +113,7 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
             "gpu_busy_us": round(busy, 1), "gpu_span_us": round(span, 1),
             "per_step_busy_us": round(busy / tokens, 1), "per_step_span_us": round(span / tokens, 1),
             "kernels_per_step": round(len(kernels) / tokens, 1),
+            "idle_gaps_us": {name: [n / tokens, round(us / tokens, 1)] for name, (n, us) in idle_gaps(spans).items()},
             "top": [{"name": name, "count": len(us), "us_total": round(sum(us), 1),
                      "us_per_step": round(sum(us) / tokens, 2), "us_median": round(statistics.median(us), 2),
                      "us_deciles": [round(x, 1) for x in statistics.quantiles(us, n=10)] if len(us) > 1 else us,
@@ -101,6 +129,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40, help="kernel names kept, by total time")
     parser.add_argument("--kv-cache", default="raw", help="cache scheme, or several comma-separated (with --context)")
     parser.add_argument("--context", type=int, default=0, help="tokens of random K/V per stream before decode (0: short prompts)")
+    parser.add_argument("--no-host-trace", action="store_true",
+                        help="record only CUDA activity (the host runs closer to its unprofiled pace)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.kv_cache != "raw" and not args.context:
@@ -112,7 +142,8 @@ def main() -> None:
     torch.cuda.init()  # CUPTI needs a CUDA context of PyTorch's own
     loaded = random_model(args.random_model, "bfloat16")
     schemes = args.kv_cache.split(",")
-    result = {scheme: {str(b): profile_batch(loaded, b, args.tokens, args.top, scheme, args.context)
+    result = {scheme: {str(b): profile_batch(loaded, b, args.tokens, args.top, scheme, args.context,
+                                                 host_trace=not args.no_host_trace)
                        for b in args.batch_sizes} for scheme in schemes}
     result = result[schemes[0]] if len(schemes) == 1 else result
     suffix = f"_{args.kv_cache.replace(',', '-')}_{args.context}" if args.context else ""

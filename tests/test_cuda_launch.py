@@ -94,3 +94,24 @@ def test_gpus_before_ampere_load_straight_into_registers(monkeypatch):
     monkeypatch.setattr(cuda_kv, "_compute_capability", lambda: 9)
     new = cuda_kv.default_tuning(fmt, 8)
     assert new.mma and new.stages >= 2
+
+
+@pytest.mark.parametrize("max_tokens, batch, want", [
+    (8192, 32, (4096, 2)),  # 2 splits fill 32 x 8 heads x 2 >= 2 waves of 132 SMs
+    (8448, 32, (2112, 4)),  # the cap (256 pages of 16) asks 3; rounded up to 4 equal splits, not 4096 + 4096 + 256
+    (32768, 1, (1008, 33)),  # one row: 33 splits of 63 pages fill 2 waves with 8 heads
+    (16, 64, (16, 1)),
+])
+def test_split_plan_hand_derived(max_tokens, batch, want):
+    assert cuda_kv._split_plan(max_tokens, batch, 8, 16, 2) == want
+
+
+@pytest.mark.parametrize("batch", [1, 3, 17, 32, 64])
+@pytest.mark.parametrize("page", [16, 5])
+def test_split_plans_cover_rows_in_equal_capped_splits(batch, page):
+    for max_tokens in range(page, 40_000, 997 * page):
+        per_split, splits = cuda_kv._split_plan(max_tokens, batch, 8, page, 2)
+        assert per_split % page == 0 and per_split <= cuda_kv._MAX_SPLIT_PAGES * page
+        assert (splits - 1) * per_split < max_tokens <= splits * per_split  # every split holds slots
+        last = max_tokens - (splits - 1) * per_split
+        assert splits == 1 or last > per_split - splits * page  # no sliver: equal up to page rounding

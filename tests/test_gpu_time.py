@@ -7,3 +7,13 @@ def test_busy_time_counts_overlapping_kernels_once():
     # [0, 4) and [2, 5) overlap into [0, 5); [7, 8) is apart; [7.5, 7.75) lies inside it: 5 + 1.
     assert busy_us([(7.0, 8.0), (2.0, 5.0), (0.0, 4.0), (7.5, 7.75)]) == 6.0
     assert busy_us([]) == 0.0
+
+
+def test_idle_gaps_are_bucketed_by_length_after_merging_overlaps():
+    from ops.gpu_time import idle_gaps
+
+    # Merged busy spans: [0, 5), [6, 8) (with [6.5, 7) inside), [11, 12), [40, 41), [300, 301).
+    # Gaps: 1 (<2), 3 (2-5), 28 (20-100), 259 (>=100); none in 5-20.
+    spans = [(300.0, 301.0), (0.0, 4.0), (2.0, 5.0), (6.0, 8.0), (6.5, 7.0), (11.0, 12.0), (40.0, 41.0)]
+    assert idle_gaps(spans) == {"<2": [1, 1.0], "2-5": [1, 3.0], "5-20": [0, 0.0], "20-100": [1, 28.0],
+                                ">=100": [1, 259.0]}

@@ -287,6 +287,29 @@ def test_staged_copies_match_float64_reference(monkeypatch, scheme, page):
             np.testing.assert_allclose(got[b], want, atol=tolerance(), err_msg=f"{tuning} row {b}")
 
 
+@pytest.mark.skipif(not ON_CUDA, reason="split plans exist only in the CUDA kernels, which need MLX's CUDA backend; run on the H200")
+@pytest.mark.parametrize("scheme", ["raw", "affine4", "aura4v4"])
+def test_capped_splits_match_float64_reference(monkeypatch, scheme):
+    """Splits capped at 2 pages (the kernels' page-id buffer shrunk to match): more splits than the GPU's
+    fill asks for, equal in size, each row's last one partly live (`cuda_kv._split_plan`)."""
+    monkeypatch.setattr(cuda_kv, "_MAX_SPLIT_PAGES", 2)
+    fmt = layer_format(scheme, 64)
+    lengths = (1, 31, 32, 33, 250, 700)
+    store = Store(fmt, lengths, 2, seed=3)
+    rng = np.random.default_rng(6)
+    q = mx.array(rng.standard_normal((len(lengths), 8, 1, 64)).astype(np.float32)).astype(DTYPE)
+    table, lens = mx.array(store.page_table.astype(np.int32)), mx.array(np.array(lengths, np.int32))
+    for tuning in (cuda_kv.Tuning(stages=4), cuda_kv.Tuning(warps=4, stages=4, mma=True)):
+        per_split, splits = cuda_kv._split_plan(table.shape[1] * PAGE, len(lengths), 2, PAGE, tuning.waves)
+        assert per_split == 2 * PAGE and splits * per_split >= 700
+        got = as_np(cuda_kv.decode_attention(q, fmt, tuple(store.pools), None, table, lens,
+                                             n_kv_heads=2, page_size=PAGE, scale=0.125, tuning=tuning))
+        for b, n in enumerate(lengths):
+            keys, values = decode_rows_ref(fmt, store.stored[b])
+            want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, 0.125, np.ones((1, n), bool))
+            np.testing.assert_allclose(got[b], want, atol=tolerance(), err_msg=f"{tuning} row {b}")
+
+
 @pytest.mark.parametrize("scheme", ["raw", "affine8", "aura4v2"])
 @pytest.mark.parametrize("dims", [64, (192, 128)], ids=str)
 def test_decode_reads_tail_pages(scheme, dims):
