@@ -171,7 +171,7 @@ def _split_plan(max_tokens: int, batch: int, n_kv_heads: int, page_size: int, wa
 
     Enough blocks (`batch * n_kv_heads * splits`) to fill the GPU `waves` times over, each split
     at most `_MAX_SPLIT_PAGES` pages. Where that cap asks for more splits than the fill does, the
-    count is rounded up to a multiple of the fill's and the splits are equal: a cap that left two
+    slots are shared out equally (whole pages) over a multiple of the fill's count: a cap that left two
     full splits and a sliver (8,448 slots of a bucketed page table: 4,096 + 4,096 + 256) put a third
     of the blocks late in the launch, and the full ones behind them ran in a second round
     (`ops/results/kernel_sweep_gpu_split_plan.json`: 32 rows at 8,214 tokens, affine4 3.08 ms against

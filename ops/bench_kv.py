@@ -6,6 +6,8 @@ Modes (`--mode`):
   model's shape (`ops.engine_fill`: a real 32K prefill takes long, and a decode step's cost
   depends on T and the storage, not on the values); times `--steps` greedy tokens per stream
   after `--warmup`, best of `--repeats`. Peak memory runs from before the fill to the end.
+  `--interleave` also times every scheme's engine alive at once, one decode window each in
+  turn (`interleaved_*` fields): single-stream steps are bound by the host, whose pace drifts.
 - `attention`: one attention layer per scheme, decode (1 query) and prefill
   (`--prefill-queries` queries) at each T: in place (what the caches run) against
   dequantize + `mx.fast` SDPA, time and peak temporary memory.
@@ -19,6 +21,7 @@ whatever `mx.default_device()` is.
     python -m ops.bench_kv                                                  # CPU, default model, T = 512, 2048, 8192
     python -m ops.bench_kv --random-model llama-1b --contexts 512,8192,32768   # GPU (also qwen3-1.7b)
     python -m ops.bench_kv --random-model llama-1b --contexts 8192 --streams 32 --schemes raw,affine4,aura4v4
+    python -m ops.bench_kv --random-model llama-1b --contexts 8192,32768 --steps 256 --repeats 1 --interleave
     python -m ops.bench_kv --mode attention
     python -m ops.bench_kv --mode prefill-memory --schemes raw,affine4,aura4v4
 """

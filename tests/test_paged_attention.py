@@ -42,7 +42,7 @@ SCHEMES = {
     "aura3v5": lambda dt: (PartFormat(AURA, 3, seed=41, dtype=dt), PartFormat(AURA, 5, seed=42, dtype=dt)),
     "aura9v10": lambda dt: (PartFormat(AURA, 9, seed=51, dtype=dt), PartFormat(AURA, 10, seed=52, dtype=dt)),
 }
-DTYPE = mx.bfloat16 if ON_CUDA or os.environ.get("BM_BF16") else mx.float32
+DTYPE = mx.bfloat16 if ON_CUDA else mx.float32
 
 
 def decode_part_ref(part: PartFormat, codes: np.ndarray, meta: np.ndarray, head_dim: int) -> np.ndarray:
