@@ -174,8 +174,8 @@ def _split_plan(max_tokens: int, batch: int, n_kv_heads: int, page_size: int, wa
     slots are shared out equally (whole pages) over a multiple of the fill's count: a cap that left two
     full splits and a sliver (8,448 slots of a bucketed page table: 4,096 + 4,096 + 256) put a third
     of the blocks late in the launch, and the full ones behind them ran in a second round
-    (`ops/results/kernel_sweep_gpu_split_plan.json`: 32 rows at 8,214 tokens, affine4 3.08 ms against
-    2.55 at 8,192).
+    (`ops/results/kernel_sweep_gpu_split_plan.json`: 32 rows at 8,214 tokens, split 4,096 + 4,096 + 32,
+    affine4 3.08 ms against 2.55 at 8,192; 2.63 in four equal splits).
     """
     target = max(1, math.ceil(waves * NUM_SMS / (batch * n_kv_heads)))
     needed = math.ceil(max_tokens / (_MAX_SPLIT_PAGES * page_size))  # the cap's minimum
