@@ -31,16 +31,20 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CONTEXT_WARMUP = 4  # decode steps per stream before --context runs count tokens/s
 
 
+def merged_spans(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals as disjoint intervals, in order."""
+    merged: list[list[float]] = []
+    for s, e in sorted(spans):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in merged]
+
+
 def busy_us(spans: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals (µs in, µs out)."""
-    total, start, end = 0.0, None, None
-    for s, e in sorted(spans):
-        if end is None or s > end:
-            total += 0.0 if end is None else end - start
-            start, end = s, e
-        else:
-            end = max(end, e)
-    return total + (0.0 if end is None else end - start)
+    return sum(e - s for s, e in merged_spans(spans))
 
 
 GAP_EDGES_US = (2.0, 5.0, 20.0, 100.0)  # idle gaps between kernels, bucketed: graph-internal ... host-starved
@@ -57,14 +61,12 @@ def idle_gaps(spans: list[tuple[float, float]]) -> dict[str, list[float]]:
     names = [f"<{GAP_EDGES_US[0]:g}"] + [f"{a:g}-{b:g}" for a, b in zip(GAP_EDGES_US, GAP_EDGES_US[1:])]
     names.append(f">={GAP_EDGES_US[-1]:g}")
     out = {name: [0, 0.0] for name in names}
-    end = None
-    for s, e in sorted(spans):
-        if end is not None and s > end:
-            gap = s - end
-            name = names[sum(gap >= edge for edge in GAP_EDGES_US)]
-            out[name][0] += 1
-            out[name][1] += gap
-        end = e if end is None else max(end, e)
+    merged = merged_spans(spans)
+    for (_, end), (start, _) in zip(merged, merged[1:]):
+        gap = start - end
+        name = names[sum(gap >= edge for edge in GAP_EDGES_US)]
+        out[name][0] += 1
+        out[name][1] += gap
     return {name: [n, round(us, 1)] for name, (n, us) in out.items()}
 
 

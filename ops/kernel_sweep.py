@@ -152,9 +152,9 @@ def main() -> None:
         best = min((t for t in timings if timings[t] == timings[t]), key=timings.get)
         read = shape[0] * streams * context * shape[2] * fmt.bytes_per_row
         row = {"model": model, "scheme": scheme, "streams": streams, "context": context,
-               "default_ms": round(default, 4), "best_ms": round(timings[best], 4), "best": vars_of(best),
+               "default_ms": round(default, 4), "best_ms": round(timings[best], 4), "best": dataclasses.asdict(best),
                "bytes_read": read, "best_tb_s": round(read / timings[best] / 1e9, 3),
-               "all": [{**vars_of(t), "ms": round(ms, 4)} for t, ms in timings.items()]}
+               "all": [{**dataclasses.asdict(t), "ms": round(ms, 4)} for t, ms in timings.items()]}
         results.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "all"}), flush=True)
         _write(args.out, results)
@@ -165,9 +165,6 @@ def main() -> None:
 def _write(path: str, results: list[dict]) -> None:
     out = {"device": str(mx.default_device()), "mlx": mx.__version__, "page_size": PAGE, "results": results}
     Path(path).write_text(json.dumps(out, indent=1))
-
-
-vars_of = dataclasses.asdict  # a Tuning's fields as JSON
 
 
 if __name__ == "__main__":

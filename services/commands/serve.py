@@ -101,9 +101,7 @@ def build_plan(args: argparse.Namespace, run_dir: Path):
         BadRequest: a setting fails validation.
         ValueError: `--kv-cache` names no scheme (checked before anything starts).
     """
-    import mlx.core as mx
-
-    from services.engine.cache.schemes import layer_parts
+    from services.engine.cache.schemes import check_scheme
     from services.engine.model.paths import resolve_model
     from services.http.server import DISABLED
     from services.supervisor import ChildSpec, SupervisorPlan
@@ -112,7 +110,7 @@ def build_plan(args: argparse.Namespace, run_dir: Path):
     model = parse_settings(ModelSettings, args)
     for cls in (GatewaySettings, ControllerSettings, EngineSettings):
         parse_settings(cls, args)  # validate now: a bad value is a usage error, not a crash
-    layer_parts(model.kv_cache, layer=0, dtype=mx.float16)  # every engine would refuse an unknown scheme
+    check_scheme(model.kv_cache)  # every engine would refuse an unknown scheme
     gpus = visible_gpus()
     device = resolve_device(serve.device, gpus)
     dtype = weights_dtype(model.dtype, "cpu" if device == "cpu" else "gpu")

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import mlx.core as mx
-
 from shared.errors import BadRequest
 from shared.settings import ModelSettings
 
 from .cache import CacheOptions, Window, make_layer_caches
 from .cache.centering import CALIBRATION_TOKENS, KeyMeans
-from .cache.schemes import layer_parts
+from .cache.schemes import check_scheme
 from .model.loader import LoadedModel, load_model
 
 
@@ -46,7 +44,7 @@ def cache_options(settings: ModelSettings, loaded: LoadedModel) -> CacheOptions:
     )
     try:  # every layer's parts against its own widths (read off the model: MLA, split K/V, ...)
         if loaded.model is None:  # the gateway: no weights, names only (each engine checks its model)
-            layer_parts(options.scheme, layer=0, dtype=mx.float16)
+            check_scheme(options.scheme)
             return options
         make_layer_caches(loaded.model, options)
     except ValueError as exc:

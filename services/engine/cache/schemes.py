@@ -88,10 +88,23 @@ def layer_parts(scheme: str, *, layer: int, dtype: mx.Dtype) -> Parts:
     Raises:
         ValueError: unknown name or malformed override (the message lists the known ones).
     """
+    base, overrides = check_scheme(scheme)  # every part, whichever layer this is
+    return _single(overrides.get(layer, base), layer=layer, dtype=dtype)
+
+
+def check_scheme(scheme: str) -> tuple[str, dict[int, str]]:
+    """Check that a scheme spec names known schemes only, base and overrides (no model needed).
+
+    Returns:
+        tuple[str, dict[int, str]]: the base scheme and `{layer: name}` (`parse_layer_overrides`).
+
+    Raises:
+        ValueError: as `layer_parts`.
+    """
     base, overrides = parse_layer_overrides(scheme)
     for name in (base, *overrides.values()):
-        _single(name, layer=layer, dtype=dtype)  # validate every part, whichever layer this is
-    return _single(overrides.get(layer, base), layer=layer, dtype=dtype)
+        _single(name, layer=0, dtype=mx.float16)
+    return base, overrides
 
 
 def layer_format(scheme: str, *, layer: int, dtype: mx.Dtype, head_dim: int, value_dim: int = 0) -> LayerFormat:
