@@ -35,7 +35,7 @@ def is_available() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
-_PARTIAL_IO = dict(input_names=["q", "kp", "vp", "kt", "vt", "pt", "lens", "cb", "qsign", "params", "fparams"],
+_PARTIAL_IO = dict(input_names=["q", "kp", "vp", "kt", "vt", "pt", "lens", "cb", "qsign"],
                    output_names=["o_part", "ml_part"])  # both partial kernels'
 
 
@@ -221,11 +221,8 @@ def decode_attention(
     """
     batch, n_heads, _, head_dim = queries.shape
     group = n_heads // n_kv_heads
-    pages = pools[0].shape[0] // (n_kv_heads * page_size)
-    if tails is None:
-        tails, tail_pages = tuple(_dummy(p.dtype, p.shape[1]) for p in pools), 0
-    else:
-        tail_pages = tails[0].shape[0] // (n_kv_heads * page_size)
+    if tails is None:  # a placeholder row: no page id names it (ids past the pool's pages name tail pages)
+        tails = tuple(_dummy(p.dtype, p.shape[1]) for p in pools)
     kp, vp = (pools[0], pools[1]) if fmt.is_raw else (pools[0], pools[0])
     kt, vt = (tails[0], tails[1]) if fmt.is_raw else (tails[0], tails[0])
     if not fmt.is_regular:
@@ -233,12 +230,13 @@ def decode_attention(
     tuning = tuning or default_tuning(fmt, batch * n_kv_heads)
     per_split, splits = _split_plan(page_table.shape[1] * page_size, batch, n_kv_heads, page_size, tuning.waves)
     assert per_split <= _MAX_SPLIT_PAGES * page_size, "the partial kernel holds a split's page ids in shared memory"
+    assert per_split == page_size * -(-page_table.shape[1] // splits), "the kernels derive a split's width"
     rotate = fmt.key.kind == AURA
     q_scale = scale * _LOG2E / (math.sqrt(head_dim) if rotate else 1.0)
     raw_dtype = fmt.key.dtype if fmt.is_raw else mx.uint32
     common = [("T", queries.dtype), ("RT", raw_dtype), ("D", head_dim), ("G", group), ("P", page_size),
               ("MAXPG", _MAX_SPLIT_PAGES), *_part_args("K", fmt.key), *_part_args("V", fmt.value),
-              *_layout_args(fmt), ("ROTATE", rotate)]
+              *_layout_args(fmt), ("ROTATE", rotate), ("QSCALE", _float_bits(q_scale))]
     mma = _mma_staging(fmt, queries.dtype, group, page_size, per_split, tuning) if tuning.mma else None
     if mma is not None:
         name, template, warps = "partial_mma", common + mma, tuning.warps
@@ -249,8 +247,7 @@ def decode_attention(
         template = common + [("LPT", lanes), ("W", warps), ("U", tuning.unroll), ("QREG", tuning.query_in_registers),
                              ("PREFETCH", tuning.prefetch), *staging]
     o_part, ml_part = _kernels()[name](
-        inputs=[queries, kp, vp, kt, vt, page_table, lengths, _codebooks(fmt), _signs(fmt.key, head_dim),
-                _constant((per_split, pages, tail_pages, 0), mx.int32), _constant((q_scale,), mx.float32)],
+        inputs=[queries, kp, vp, kt, vt, page_table, lengths, _codebooks(fmt), _signs(fmt.key, head_dim)],
         template=template,
         grid=(splits * 32 * warps, n_kv_heads, batch),
         threadgroup=(32 * warps, 1, 1),
@@ -270,6 +267,11 @@ def decode_attention(
         output_dtypes=[queries.dtype],
     )
     return out
+
+
+def _float_bits(x: float) -> int:
+    """A float32's bits as a signed int: a template constant the kernels read back with `__int_as_float`."""
+    return int(np.array(x, np.float32).view(np.int32))
 
 
 def _lanes_and_warps(fmt: LayerFormat, group: int, tuning: Tuning) -> tuple[int, int]:

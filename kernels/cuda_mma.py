@@ -98,18 +98,20 @@ PARTIAL_MMA = r"""
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gid = lane / 4, c0 = (lane % 4) * 2;  // fragment row group, column pair
   const int Hkv = gridDim.y, S = gridDim.x, NP = pt_shape[1];
-  const int tps = params[0], pages = params[1], tail_pages = params[2];
-  const int t_begin = split * tps;
-  const int t_end = min(t_begin + tps, lens[b]);
+  const int tps = P * ((NP + S - 1) / S);  // tokens a split (`kernels.cuda_kv._split_plan`)
+  const int pages = kp_shape[0] / (Hkv * P), tail_pages = kt_shape[0] / (Hkv * P);
+  const int t_begin = split * tps, pg0 = t_begin / P;
 
   constexpr int KCB = KMODE == 2 ? 1 << KBITS : 0, VCB = VMODE == 2 ? 1 << VBITS : 0;  // AURA centroids
   __shared__ T cbs[KCB + VCB > 0 ? KCB + VCB : 1];  // as T: a table entry is a B operand element
   __shared__ float qs[G * D];
-  __shared__ int pids[MAXPG];
+  __shared__ int pids[MAXPG], live;
   __shared__ __align__(16) unsigned char smem[SMEM];
-  const int pg0 = t_begin / P;  // t_begin is a whole number of pages
-  stage_split<KCB, VCB, 32 * W>(cb, pt + (size_t)b * NP, pg0, t_end, P, cbs, pids);
+  stage_block<T, T, D, G, KCB, VCB, MAXPG, 32 * W, ROTATE>(q + ((size_t)(b * Hkv + h) * G) * D, qsign,
+                                                          __int_as_float(QSCALE), cb, pt + (size_t)b * NP + pg0,
+                                                          min(tps / P, NP - pg0), lens + b, qs, cbs, pids, &live);
   __syncthreads();
+  const int t_end = min(t_begin + tps, live);
 
   auto pool_row = [&](int t, bool& in_tail) {
     const int page = pids[t / P - pg0];
@@ -150,10 +152,7 @@ PARTIAL_MMA = r"""
     cp_async_commit();
   };
 #pragma unroll
-  for (int i = 0; i < NS - 1; ++i) issue(i);  // the first tiles fly while the query is staged
-
-  stage_query<T, D, G, ROTATE>(q + ((size_t)(b * Hkv + h) * G) * D, qsign, fparams[0], qs);
-  __syncthreads();
+  for (int i = 0; i < NS - 1; ++i) issue(i);
   uint32_t qa[KSTEPS][4];  // A fragments of the scaled query (rows >= G are zero)
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk) {

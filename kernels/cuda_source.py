@@ -9,8 +9,10 @@ Three kernels, all reading and writing the row format of `kernels.kv_format`:
 - `PARTIAL`: split-K decode attention ("flash-decoding") on the lanes' FMAs: one block per
   (split, kv head, row) walks its tokens through the row's page table, reads each K/V row once
   for all G query heads of its kv head (GQA), unpacks codes in registers (bit widths 2..8), and
-  writes (acc, max, sum-exp) per split. The first tiles' loads are issued before the query is
-  staged (AURA queries rotated by warp shuffles, one warp a query head). With `NS` stages the
+  writes (acc, max, sum-exp) per split. A block's prologue (`stage_block`) issues all its small
+  reads at once: the row's length, the split's page ids, AURA centroids and the query (AURA
+  queries rotated by warp shuffles, one warp a query head). A split's width, the pools' page
+  counts and the query scale come from shapes and template constants, not from memory. With `NS` stages the
   block copies tiles of rows into a shared-memory ring (`cp.async`, `NS - 1` tiles ahead); with
   none (GPUs before compute capability 8.0) loads land in registers and are decoded at use, and
   `PREFETCH` issues the next tile's loads before this tile's math. The tensor-core twin that
@@ -177,29 +179,75 @@ __device__ __forceinline__ void fwht_shared(float* v, int rows) {
   __syncthreads();
 }
 
-// The block's G query heads of kv head h, scaled by `q_scale` into `qs` [G * D] (for AURA keys first
-// rotated: sign flips, then a Walsh-Hadamard transform in warp shuffles, one warp per query head).
-// Every thread of the block calls it; the caller synchronizes before reading `qs`.
-template <typename T, int D, int G, bool ROTATE>
-__device__ __forceinline__ void stage_query(const T* qrow, const float* qsign, float q_scale, float* qs) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  if constexpr (ROTATE) {
-    constexpr int QE = D >= 32 ? D / 32 : 1, QL = D / QE;  // dims per lane, lanes holding dims
-    for (int g = warp; g < G; g += warps) {  // warp-uniform: every lane takes part in the shuffles
-      float x[QE];
+// The block's prologue: stages its G query heads of kv head h, scaled by `q_scale`, into `qs` [G * D]
+// (for AURA keys first rotated: sign flips, then a Walsh-Hadamard transform in warp shuffles, one warp a
+// query head), the AURA centroids (keys' 2^KB, then values' 2^VB, from `cb`: keys at 0, values at 256)
+// into `cbs` (as `CT`: float, or the tensor-core kernel's 16-bit T), the split's `npages` page ids from
+// `table` into `pids`, and the row's length `*len` into `*len_s` (read by one thread: every block of a
+// row reads it, and a few thousand warps reading one word queue on one L2 slice). Every global read is
+// issued before any is used, so the block waits one memory latency, not four in turn: at one stream
+// and 32K tokens the serial reads held half of the kernel's warp time (ncu, H200). Every thread of the
+// block (NT) calls it; the caller synchronizes before reading what it staged.
+template <typename T, typename CT, int D, int G, int KCB, int VCB, int MAXPG, int NT, bool ROTATE>
+__device__ __forceinline__ void stage_block(const T* qrow, const float* qsign, float q_scale, const float* cb,
+                                            const int* table, int npages, const int* len, float* qs, CT* cbs,
+                                            int* pids, int* len_s) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  constexpr int NCB = (KCB + VCB + NT - 1) / NT, NPG = (MAXPG + NT - 1) / NT;
+  constexpr int QE = ROTATE ? (D >= 32 ? D / 32 : 1) : 1, QL = D / QE;  // rotated: dims a lane, lanes holding dims
+  constexpr int QH = ROTATE ? (G + NT / 32 - 1) / (NT / 32) : (G * D + NT - 1) / NT;  // heads a warp, or elements a thread
+  float c[NCB > 0 ? NCB : 1], x[QH][QE];
+  int p[NPG];
 #pragma unroll
-      for (int e = 0; e < QE; ++e) {
-        const int d = lane * QE + e;
-        x[e] = lane < QL ? static_cast<float>(qrow[g * D + d]) * qsign[d] : 0.f;
-      }
-      fwht_warp<QE, QL>(x, lane);
-      if (lane < QL) {
+  for (int j = 0; j < NCB; ++j) {
+    const int i = threadIdx.x + j * NT;
+    c[j] = i < KCB + VCB ? cb[i < KCB ? i : 256 + i - KCB] : 0.f;
+  }
 #pragma unroll
-        for (int e = 0; e < QE; ++e) qs[g * D + lane * QE + e] = x[e] * q_scale;
+  for (int j = 0; j < NPG; ++j) {
+    const int i = threadIdx.x + j * NT;
+    p[j] = i < npages ? table[i] : 0;
+  }
+  const int n = threadIdx.x == 0 ? *len : 0;
+#pragma unroll
+  for (int j = 0; j < QH; ++j) {
+#pragma unroll
+    for (int e = 0; e < QE; ++e) {
+      if constexpr (ROTATE) {
+        const int g = warp + j * (NT / 32), d = lane * QE + e;
+        x[j][e] = g < G && lane < QL ? static_cast<float>(qrow[g * D + d]) * qsign[d] : 0.f;
+      } else {
+        const int i = threadIdx.x + j * NT;
+        x[j][e] = i < G * D ? static_cast<float>(qrow[i]) : 0.f;
       }
     }
-  } else {
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i] = static_cast<float>(qrow[i]) * q_scale;
+  }
+#pragma unroll
+  for (int j = 0; j < NCB; ++j) {
+    const int i = threadIdx.x + j * NT;
+    if (i < KCB + VCB) cbs[i] = static_cast<CT>(c[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < NPG; ++j) {
+    const int i = threadIdx.x + j * NT;
+    if (i < npages) pids[i] = p[j];
+  }
+  if (threadIdx.x == 0) *len_s = n;
+#pragma unroll
+  for (int j = 0; j < QH; ++j) {
+    if constexpr (ROTATE) {
+      const int g = warp + j * (NT / 32);
+      if (g < G) {  // warp-uniform: every lane takes part in the shuffles
+        fwht_warp<QE, QL>(x[j], lane);
+        if (lane < QL) {
+#pragma unroll
+          for (int e = 0; e < QE; ++e) qs[g * D + lane * QE + e] = x[j][e] * q_scale;
+        }
+      }
+    } else {
+      const int i = threadIdx.x + j * NT;
+      if (i < G * D) qs[i] = x[j][0] * q_scale;
+    }
   }
 }
 
@@ -223,20 +271,6 @@ __device__ __forceinline__ void merge_states(const float* sm_m, const float* sm_
     o_part[(hq * S + split) * D + d] = O;
     if (d == 0) { ml_part[(hq * S + split) * 2] = M; ml_part[(hq * S + split) * 2 + 1] = L; }
   }
-}
-
-// Stages a split's AURA centroids (keys' 2^KB, then values' 2^VB, from `cb`: keys at 0, values at
-// 256) into `cbs` (as `CT`: float, or the tensor-core kernel's 16-bit T), and its page ids (pages pg0 .. of the row's `table` holding slots < t_end) into
-// `pids`. Every thread of the block calls it; the caller synchronizes.
-template <int KCB, int VCB, int NT, typename CT>
-__device__ __forceinline__ void stage_split(const float* cb, const int* table, int pg0, int t_end, int P,
-                                            CT* cbs, int* pids) {
-#pragma unroll
-  for (int j = 0; j < (KCB + VCB + NT - 1) / NT; ++j) {  // unrolled: loads in flight together
-    const int i = threadIdx.x + j * NT;
-    if (i < KCB + VCB) cbs[i] = static_cast<CT>(i < KCB ? cb[i] : cb[256 + i - KCB]);
-  }
-  for (int i = threadIdx.x; pg0 + i < (t_end + P - 1) / P; i += blockDim.x) pids[i] = table[pg0 + i];
 }
 
 // Codes one part (K or V) of one vector held by a warp, lane j holding dims [j * E, j * E + E) of x
@@ -412,18 +446,20 @@ PARTIAL = r"""
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int sg = lane / LPT, sub = lane % LPT, d0 = sub * DPL;
   const int Hkv = gridDim.y, S = gridDim.x, NP = pt_shape[1];
-  const int tps = params[0], pages = params[1], tail_pages = params[2];
-  const int t_begin = split * tps;
-  const int t_end = min(t_begin + tps, lens[b]);
+  const int tps = P * ((NP + S - 1) / S);  // tokens a split (`kernels.cuda_kv._split_plan`)
+  const int pages = kp_shape[0] / (Hkv * P), tail_pages = kt_shape[0] / (Hkv * P);
+  const int t_begin = split * tps, pg0 = t_begin / P;
 
   constexpr int KCB = KMODE == 2 ? 1 << KBITS : 0, VCB = VMODE == 2 ? 1 << VBITS : 0;  // AURA centroids
   __shared__ float cbs[KCB + VCB > 0 ? KCB + VCB : 1];
   __shared__ float qs[G * D];
-  __shared__ int pids[MAXPG];  // the split's page ids: a K/V load then waits on no global read
+  __shared__ int pids[MAXPG], live;  // the split's page ids: a K/V load then waits on no global read
   __shared__ __align__(16) unsigned char smem[SMEM];  // NS stages of K/V rows, then the merge's rows
-  const int pg0 = t_begin / P;  // t_begin is a whole number of pages
-  stage_split<KCB, VCB, 32 * W>(cb, pt + (size_t)b * NP, pg0, t_end, P, cbs, pids);
+  stage_block<T, float, D, G, KCB, VCB, MAXPG, 32 * W, ROTATE>(q + ((size_t)(b * Hkv + h) * G) * D, qsign,
+                                                              __int_as_float(QSCALE), cb, pt + (size_t)b * NP + pg0,
+                                                              min(tps / P, NP - pg0), lens + b, qs, cbs, pids, &live);
   __syncthreads();
+  const int t_end = min(t_begin + tps, live);
 
   using KS = Slice<KMODE, KBITS, D, DPL, RT>;
   using VS = Slice<VMODE, VBITS, D, DPL, RT>;
@@ -487,13 +523,10 @@ PARTIAL = r"""
   VS vcur[U];
   if constexpr (NS > 0) {
 #pragma unroll
-    for (int i = 0; i < NS - 1; ++i) issue(i);  // the first tiles fly while the query is staged
+    for (int i = 0; i < NS - 1; ++i) issue(i);
   } else {
     fetch(t_begin, kcur, vcur);
   }
-
-  stage_query<T, D, G, ROTATE>(q + ((size_t)(b * Hkv + h) * G) * D, qsign, fparams[0], qs);
-  __syncthreads();
 
   // QREG: each lane keeps its query slices in registers; else it reads them from shared memory
   // (fewer registers, more resident warps).

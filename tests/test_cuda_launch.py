@@ -107,11 +107,19 @@ def test_split_plan_hand_derived(max_tokens, batch, want):
 
 
 @pytest.mark.parametrize("batch", [1, 3, 17, 32, 64])
-@pytest.mark.parametrize("page", [16, 5])
-def test_split_plans_cover_rows_in_equal_capped_splits(batch, page):
+@pytest.mark.parametrize("page", [16, 5, 1])
+@pytest.mark.parametrize("waves", [2, 4])
+def test_split_plans_cover_rows_in_equal_capped_splits(batch, page, waves):
     for max_tokens in range(page, 40_000, 997 * page):
-        per_split, splits = cuda_kv._split_plan(max_tokens, batch, 8, page, 2)
+        per_split, splits = cuda_kv._split_plan(max_tokens, batch, 8, page, waves)
         assert per_split % page == 0 and per_split <= cuda_kv._MAX_SPLIT_PAGES * page
         assert (splits - 1) * per_split < max_tokens <= splits * per_split  # every split holds slots
         last = max_tokens - (splits - 1) * per_split
         assert splits == 1 or last > per_split - splits * page  # no sliver: equal up to page rounding
+        # the kernels read a split's width from the table's pages and the grid's splits, not from memory
+        assert per_split == page * -(-(max_tokens // page) // splits)
+
+
+@pytest.mark.parametrize("x, bits", [(1.0, 0x3F800000), (-2.0, -0x40000000), (0.5, 0x3F000000), (0.0, 0)])
+def test_float_template_constants_are_float32_bits(x, bits):
+    assert cuda_kv._float_bits(x) == bits  # IEEE 754 binary32, read back by `__int_as_float` in the kernels
