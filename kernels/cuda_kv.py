@@ -18,7 +18,7 @@ import numpy as np
 
 from kernels.aura import GAINS, aura_codebook, gain_cells
 from kernels.cuda_mma import MMA_HEADER, PARTIAL_MMA
-from kernels.cuda_source import COMBINE, ENCODE, HEADER, PARTIAL
+from kernels.cuda_source import COMBINE, ENCODE, PARTIAL, compact, kernel_header
 from kernels.kv_format import AFFINE, AURA, RAW, LayerFormat, PartFormat
 
 MODES = {RAW: 0, AFFINE: 1, AURA: 2}
@@ -41,16 +41,18 @@ _PARTIAL_IO = dict(input_names=["q", "kp", "vp", "kt", "vt", "pt", "lens", "cb",
 
 @functools.cache
 def _kernels() -> dict:
-    kernel = functools.partial(mx.fast.cuda_kernel, header=HEADER)
+    def kernel(name: str, source: str, header: str = "", **io):  # each with only its helpers, compacted
+        helpers = kernel_header(header + source) + compact(header)
+        return mx.fast.cuda_kernel(name=name, source=compact(source), header=helpers, **io)
+
     return {
-        "encode": kernel(name="bm_kv_encode", input_names=["k", "v", "ksign", "vsign", "kedges", "kcents", "kindex",
-                                                                 "vedges", "vcents", "vindex", "kmean"],
-                         output_names=["out"], source=ENCODE, ensure_row_contiguous=False),
-        "partial": kernel(name="bm_paged_decode_partial", source=PARTIAL, **_PARTIAL_IO),
-        "partial_mma": kernel(name="bm_paged_decode_mma", source=PARTIAL_MMA, header=HEADER + MMA_HEADER,
-                              **_PARTIAL_IO),
-        "combine": kernel(name="bm_paged_decode_combine", input_names=["o_part", "ml_part", "sinks", "vsign"],
-                          output_names=["out"], source=COMBINE),
+        "encode": kernel("bm_kv_encode", ENCODE, input_names=["k", "v", "ksign", "vsign", "kedges", "kcents", "kindex",
+                                                            "vedges", "vcents", "vindex", "kmean"],
+                         output_names=["out"], ensure_row_contiguous=False),
+        "partial": kernel("bm_paged_decode_partial", PARTIAL, **_PARTIAL_IO),
+        "partial_mma": kernel("bm_paged_decode_mma", PARTIAL_MMA, MMA_HEADER, **_PARTIAL_IO),
+        "combine": kernel("bm_paged_decode_combine", COMBINE, input_names=["o_part", "ml_part", "sinks", "vsign"],
+                          output_names=["out"]),
     }
 
 

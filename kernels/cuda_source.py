@@ -28,6 +28,10 @@ Source: the measured prototype `shared/reference/fused-paged-decode/fused.py`; D
 "Flash-Decoding for long-context inference" (2023); CACHES.md "AURA encode / decode".
 """
 
+from __future__ import annotations
+
+import re
+
 HEADER = r"""
 // Words one lane holds for dims [d0, d0 + DPL) of one part of one row (d0 a multiple of DPL):
 // raw, the elements themselves; codes, every word the lane's bits touch at any lane's offset.
@@ -688,3 +692,48 @@ COMBINE = r"""
   }
   if (r == 0) out[row * D + d] = static_cast<T>(y);
 """
+
+
+def compact(source: str) -> str:
+    """CUDA `source` without `//` comments (outside string literals), indentation or blank lines.
+
+    MLX hashes a custom kernel's whole source at every launch (`CustomKernel::eval_gpu`, to name its
+    module), so the bytes a decode step hands it are host time: comments are a third of a kernel's.
+    Line structure stays (a `#pragma` keeps its own line); the compiled code is the same.
+    """
+    lines = []
+    for line in source.splitlines():
+        in_string, cut = False, len(line)
+        for i, ch in enumerate(line):
+            if ch == '"' and (i == 0 or line[i - 1] != "\\"):
+                in_string = not in_string
+            elif not in_string and line.startswith("//", i):
+                cut = i
+                break
+        text = line[:cut].strip()
+        if text:
+            lines.append(text)
+    return "\n".join(lines) + "\n"
+
+
+_DEFINED = re.compile(r"^(?:__host__ |__device__ )[^(]*?\b(\w+)\(|^struct (\w+)", re.M)
+
+
+def kernel_header(source: str, header: str = HEADER) -> str:
+    """The helpers of `header` that `source` uses, with those they use in turn, in order and `compact`.
+
+    A helper is a blank-line-separated chunk of `header`; it is used where one of the names it defines
+    (functions, structs) appears as a word. Every kernel gets only its own helpers: the combine kernel
+    needs one of HEADER's eleven chunks.
+    """
+    chunks = [compact(c) for c in header.strip("\n").split("\n\n")]
+    names = [{a or b for a, b in _DEFINED.findall(c)} for c in chunks]
+    used, texts = [False] * len(chunks), [compact(source)]
+    grew = True
+    while grew:
+        grew = False
+        for i, chunk in enumerate(chunks):
+            if not used[i] and any(re.search(rf"\b{n}\b", t) for n in names[i] for t in texts):
+                used[i], grew = True, True
+                texts.append(chunk)
+    return "".join(c for c, u in zip(chunks, used) if u)

@@ -18,6 +18,7 @@ import functools
 import mlx.core as mx
 
 from kernels import cuda_kv
+from kernels.cuda_source import compact
 
 _SOURCE = r"""
   // One block of NT threads per row; thread t keeps elements [t * E, t * E + E) in registers, so each
@@ -60,7 +61,7 @@ _SOURCE = r"""
 @functools.cache
 def _kernel():
     return mx.fast.cuda_kernel(name="bm_add_rms_norm", input_names=["x", "r", "w", "eps"], output_names=["h", "y"],
-                               source=_SOURCE)
+                               source=compact(_SOURCE))
 
 
 @functools.cache

@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import Llama3RoPE
 
 from kernels import cuda_kv
-from kernels.cuda_source import HEADER
+from kernels.cuda_source import compact, kernel_header
 from kernels.kv_format import LayerFormat
 from kernels.paged_attention import uses_cuda
 
@@ -171,7 +171,7 @@ class RopeSpec:
 @functools.cache
 def _kernel():
     return mx.fast.cuda_kernel(name="bm_qkv_rope", input_names=["qkv", "pos", "freqs", "qw", "kw", "fp"],
-                               output_names=["qo", "ko", "vo"], source=_source(_PASS))
+                               output_names=["qo", "ko", "vo"], source=compact(_source(_PASS)))
 
 
 @functools.cache
@@ -180,7 +180,8 @@ def _encoding_kernel():
         name="bm_qkv_rope_encode",
         input_names=["qkv", "pos", "freqs", "qw", "kw", "fp", "ksign", "vsign", "kedges", "kcents", "kindex",
                      "vedges", "vcents", "vindex", "kmean"],
-        output_names=["qo", "rows"], source=_source(_CODE) + _ENCODE, header=HEADER)
+        output_names=["qo", "rows"], source=compact(_source(_CODE) + _ENCODE),
+        header=kernel_header(_source(_CODE) + _ENCODE))
 
 
 @functools.cache

@@ -8,11 +8,12 @@ the launcher picks must fit. The bytes are recomputed here from the kernel sourc
 from __future__ import annotations
 
 import itertools
+import re
 
 import mlx.core as mx
 import pytest
 
-from kernels import cuda_kv
+from kernels import cuda_kv, cuda_mma, cuda_source, qkv_rope
 from kernels.kv_format import AFFINE, AURA
 from services.engine.cache.schemes import layer_format
 
@@ -123,3 +124,33 @@ def test_split_plans_cover_rows_in_equal_capped_splits(batch, page, waves):
 @pytest.mark.parametrize("x, bits", [(1.0, 0x3F800000), (-2.0, -0x40000000), (0.5, 0x3F000000), (0.0, 0)])
 def test_float_template_constants_are_float32_bits(x, bits):
     assert cuda_kv._float_bits(x) == bits  # IEEE 754 binary32, read back by `__int_as_float` in the kernels
+
+
+def test_compact_drops_comments_and_indentation_but_not_strings_or_pragmas():
+    source = '  // a comment\n#pragma unroll\n  for (int i = 0; i < 4; ++i) x += i;  // trailing\n\n' \
+             '  asm volatile("mov.u32 %0, 1; // not a comment\\n" : "=r"(y));\n'
+    assert cuda_source.compact(source) == ('#pragma unroll\nfor (int i = 0; i < 4; ++i) x += i;\n'
+                                           'asm volatile("mov.u32 %0, 1; // not a comment\\n" : "=r"(y));\n')
+
+
+def _helpers(header: str) -> set[str]:
+    return {a or b for a, b in re.findall(r"^(?:__host__ |__device__ )[^(]*?\b(\w+)\(|^struct (\w+)", header, re.M)}
+
+
+@pytest.mark.parametrize("kernel, want", [
+    ("COMBINE", {"fwht_shared"}),  # it un-rotates AURA values, nothing else
+    ("ENCODE", {"encode_part", "fwht_warp"}),
+    ("qkv", {"encode_part", "fwht_warp"}),
+    ("PARTIAL_MMA", {"code_float", "cp_async", "cp_async_commit", "cp_async_wait", "fast_exp2", "fwht_warp",
+                     "merge_states", "stage_block"}),  # not the FMA kernel's slices, the encoder, the combine's
+    ("PARTIAL", {"Slice", "slice_words", "fetch_slice", "decode_slice", "code_float", "cp_async", "cp_async_commit",
+                 "cp_async_wait", "fast_exp2", "fwht_warp", "merge_states", "stage_block"}),
+])
+def test_each_kernel_gets_the_helpers_it_calls_and_their_callees(kernel, want):
+    source = {"PARTIAL_MMA": cuda_mma.MMA_HEADER + cuda_mma.PARTIAL_MMA,
+              "qkv": qkv_rope._source(qkv_rope._CODE) + qkv_rope._ENCODE}.get(kernel) or getattr(cuda_source, kernel)
+    header = cuda_source.kernel_header(source)
+    every, given = _helpers(cuda_source.HEADER), _helpers(header)
+    uses = lambda text: {n for n in every if re.search(rf"\b{n}\b", cuda_source.compact(text))}  # noqa: E731
+    assert uses(source) <= given and uses(header) <= given  # closed under calls
+    assert given == want
