@@ -232,7 +232,8 @@ def decode_attention(
     tuning = tuning or default_tuning(fmt, batch * n_kv_heads)
     per_split, splits = _split_plan(page_table.shape[1] * page_size, batch, n_kv_heads, page_size, tuning.waves)
     assert per_split <= _MAX_SPLIT_PAGES * page_size, "the partial kernel holds a split's page ids in shared memory"
-    assert per_split == page_size * -(-page_table.shape[1] // splits), "the kernels derive a split's width"
+    assert page_table.shape[1] == 0 or per_split == page_size * -(-page_table.shape[1] // splits), \
+        "the kernels derive a split's width from the page table and the grid"
     rotate = fmt.key.kind == AURA
     q_scale = scale * _LOG2E / (math.sqrt(head_dim) if rotate else 1.0)
     raw_dtype = fmt.key.dtype if fmt.is_raw else mx.uint32
@@ -292,8 +293,10 @@ def _lanes_and_warps(fmt: LayerFormat, group: int, tuning: Tuning) -> tuple[int,
 def _fixed_shared_bytes(fmt: LayerFormat, group: int) -> int:
     """The partial kernel's shared memory besides its stages and merge rows (bytes): the query `qs[G*D]`
     floats, codebooks `cbs` (AURA: at most 512 entries, floats in the FMA kernel, 16-bit in the
-    tensor-core kernel; 4 bytes each reserved) and page ids `pids[MAXPG]` ints."""
-    return 4 * (group * fmt.head_dim + (512 if AURA in (fmt.key.kind, fmt.value.kind) else 1) + _MAX_SPLIT_PAGES)
+    tensor-core kernel; 4 bytes each reserved), page ids `pids[MAXPG]` ints and the row's length `live`
+    (16 bytes with its alignment)."""
+    cents = 512 if AURA in (fmt.key.kind, fmt.value.kind) else 1
+    return 4 * (group * fmt.head_dim + cents + _MAX_SPLIT_PAGES) + 16
 
 
 def _ring_budget(fmt: LayerFormat, group: int) -> int:

@@ -111,7 +111,7 @@ PARTIAL_MMA = r"""
                                                           __int_as_float(QSCALE), cb, pt + (size_t)b * NP + pg0,
                                                           min(tps / P, NP - pg0), lens + b, qs, cbs, pids, &live);
   __syncthreads();
-  const int t_end = min(t_begin + tps, live);
+  const int t_end = min(t_begin + tps, min(live, NP * P));  // never past the staged page ids
 
   auto pool_row = [&](int t, bool& in_tail) {
     const int page = pids[t / P - pg0];

@@ -463,7 +463,7 @@ PARTIAL = r"""
                                                               __int_as_float(QSCALE), cb, pt + (size_t)b * NP + pg0,
                                                               min(tps / P, NP - pg0), lens + b, qs, cbs, pids, &live);
   __syncthreads();
-  const int t_end = min(t_begin + tps, live);
+  const int t_end = min(t_begin + tps, min(live, NP * P));  // never past the staged page ids
 
   using KS = Slice<KMODE, KBITS, D, DPL, RT>;
   using VS = Slice<VMODE, VBITS, D, DPL, RT>;
@@ -700,7 +700,13 @@ def compact(source: str) -> str:
     MLX hashes a custom kernel's whole source at every launch (`CustomKernel::eval_gpu`, to name its
     module), so the bytes a decode step hands it are host time: comments are a third of a kernel's.
     Line structure stays (a `#pragma` keeps its own line); the compiled code is the same.
+
+    Raises:
+        ValueError: a form the line scan cannot strip faithfully: a block comment, a quote character
+            literal, or a `//` comment ending in a backslash (C++ continues it onto the next line).
     """
+    if "/*" in source or "'\"'" in source or re.search(r"//[^\n]*\\\n", source):
+        raise ValueError("compact takes // comments only, no quote character literals or continued comments")
     lines = []
     for line in source.splitlines():
         in_string, cut = False, len(line)
@@ -724,10 +730,15 @@ def kernel_header(source: str, header: str = HEADER) -> str:
 
     A helper is a blank-line-separated chunk of `header`; it is used where one of the names it defines
     (functions, structs) appears as a word. Every kernel gets only its own helpers: the combine kernel
-    needs one of HEADER's eleven chunks.
+    needs one of HEADER's twelve chunks.
+
+    Raises:
+        ValueError: a chunk whose definitions the scan does not name (one would be dropped unseen).
     """
     chunks = [compact(c) for c in header.strip("\n").split("\n\n")]
     names = [{a or b for a, b in _DEFINED.findall(c)} for c in chunks]
+    if not all(names):
+        raise ValueError(f"a helper chunk defines no name kernel_header can see: {chunks[names.index(set())][:80]!r}")
     used, texts = [False] * len(chunks), [compact(source)]
     grew = True
     while grew:

@@ -23,9 +23,9 @@ LIMIT = 48 * 1024
 
 def fixed_bytes(fmt, group: int, centroid_bytes: int = 4) -> int:
     """`qs[G*D]` floats, `cbs` (2^KBITS + 2^VBITS AURA centroids, or 1: floats, or 16-bit T in the
-    tensor-core kernel), `pids[256]` ints."""
+    tensor-core kernel), `pids[256]` ints, `live` (an int, 16 bytes with alignment)."""
     cents = sum(1 << p.bits for p in (fmt.key, fmt.value) if p.kind == AURA)
-    return 4 * (group * fmt.head_dim + 256) + centroid_bytes * max(cents, 1)
+    return 4 * (group * fmt.head_dim + 256) + centroid_bytes * max(cents, 1) + 16
 
 
 def lane_words_whole(fmt) -> bool:
@@ -133,11 +133,13 @@ def test_compact_drops_comments_and_indentation_but_not_strings_or_pragmas():
                                            'asm volatile("mov.u32 %0, 1; // not a comment\\n" : "=r"(y));\n')
 
 
-def _helpers(header: str) -> set[str]:
-    return {a or b for a, b in re.findall(r"^(?:__host__ |__device__ )[^(]*?\b(\w+)\(|^struct (\w+)", header, re.M)}
+@pytest.mark.parametrize("source", ["a /* b */ c;", "c = '\"';", "x; // y \\\nz;"])
+def test_compact_refuses_what_a_line_scan_cannot_strip(source):
+    with pytest.raises(ValueError):
+        cuda_source.compact(source)
 
 
-@pytest.mark.parametrize("kernel, want", [
+HELPER_SETS = [
     ("COMBINE", {"fwht_shared"}),  # it un-rotates AURA values, nothing else
     ("ENCODE", {"encode_part", "fwht_warp"}),
     ("qkv", {"encode_part", "fwht_warp"}),
@@ -145,12 +147,15 @@ def _helpers(header: str) -> set[str]:
                      "merge_states", "stage_block"}),  # not the FMA kernel's slices, the encoder, the combine's
     ("PARTIAL", {"Slice", "slice_words", "fetch_slice", "decode_slice", "code_float", "cp_async", "cp_async_commit",
                  "cp_async_wait", "fast_exp2", "fwht_warp", "merge_states", "stage_block"}),
-])
+]
+
+
+@pytest.mark.parametrize("kernel, want", HELPER_SETS)
 def test_each_kernel_gets_the_helpers_it_calls_and_their_callees(kernel, want):
     source = {"PARTIAL_MMA": cuda_mma.MMA_HEADER + cuda_mma.PARTIAL_MMA,
               "qkv": qkv_rope._source(qkv_rope._CODE) + qkv_rope._ENCODE}.get(kernel) or getattr(cuda_source, kernel)
     header = cuda_source.kernel_header(source)
-    every, given = _helpers(cuda_source.HEADER), _helpers(header)
-    uses = lambda text: {n for n in every if re.search(rf"\b{n}\b", cuda_source.compact(text))}  # noqa: E731
-    assert uses(source) <= given and uses(header) <= given  # closed under calls
-    assert given == want
+    every = set().union(*(w for _, w in HELPER_SETS))  # HEADER's helpers, by hand
+    defined = {n for n in every if re.search(rf"^(struct |__\w+__ .*\b){n}\b", header, re.M)}
+    called = {n for n in every if re.search(rf"\b{n}\s*[(<]", header + cuda_source.compact(source))}
+    assert defined == want and called <= defined  # what it calls, and what those call, and nothing else
