@@ -39,20 +39,28 @@ _PARTIAL_IO = dict(input_names=["q", "kp", "vp", "kt", "vt", "pt", "lens", "cb",
                    output_names=["o_part", "ml_part"])  # both partial kernels'
 
 
+def custom_kernel(name: str, source: str, header: str = "", **io):
+    """`mx.fast.cuda_kernel` with only the `HEADER` helpers `source` (and `header`) call, both compacted
+    (`kernels.cuda_source.kernel_header`, `compact`: MLX hashes the whole source at every launch).
+    `io`: the other keyword arguments of `mx.fast.cuda_kernel` (input and output names, ...).
+
+    Raises:
+        ValueError: a source `compact` cannot strip, or a helper `kernel_header` cannot name.
+    """
+    helpers = kernel_header(header + source) + compact(header)
+    return mx.fast.cuda_kernel(name=name, source=compact(source), header=helpers, **io)
+
+
 @functools.cache
 def _kernels() -> dict:
-    def kernel(name: str, source: str, header: str = "", **io):  # each with only its helpers, compacted
-        helpers = kernel_header(header + source) + compact(header)
-        return mx.fast.cuda_kernel(name=name, source=compact(source), header=helpers, **io)
-
     return {
-        "encode": kernel("bm_kv_encode", ENCODE, input_names=["k", "v", "ksign", "vsign", "kedges", "kcents", "kindex",
-                                                            "vedges", "vcents", "vindex", "kmean"],
-                         output_names=["out"], ensure_row_contiguous=False),
-        "partial": kernel("bm_paged_decode_partial", PARTIAL, **_PARTIAL_IO),
-        "partial_mma": kernel("bm_paged_decode_mma", PARTIAL_MMA, MMA_HEADER, **_PARTIAL_IO),
-        "combine": kernel("bm_paged_decode_combine", COMBINE, input_names=["o_part", "ml_part", "sinks", "vsign"],
-                          output_names=["out"]),
+        "encode": custom_kernel("bm_kv_encode", ENCODE, input_names=["k", "v", "ksign", "vsign", "kedges", "kcents",
+                                                                   "kindex", "vedges", "vcents", "vindex", "kmean"],
+                                output_names=["out"], ensure_row_contiguous=False),
+        "partial": custom_kernel("bm_paged_decode_partial", PARTIAL, **_PARTIAL_IO),
+        "partial_mma": custom_kernel("bm_paged_decode_mma", PARTIAL_MMA, MMA_HEADER, **_PARTIAL_IO),
+        "combine": custom_kernel("bm_paged_decode_combine", COMBINE,
+                                 input_names=["o_part", "ml_part", "sinks", "vsign"], output_names=["out"]),
     }
 
 

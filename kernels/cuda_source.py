@@ -719,7 +719,7 @@ def compact(source: str) -> str:
         text = line[:cut].strip()
         if text:
             lines.append(text)
-    return "\n".join(lines) + "\n"
+    return "".join(line + "\n" for line in lines)
 
 
 _DEFINED = re.compile(r"^(?:__host__ |__device__ )[^(]*?\b(\w+)\(|^struct (\w+)", re.M)

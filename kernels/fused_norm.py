@@ -18,7 +18,6 @@ import functools
 import mlx.core as mx
 
 from kernels import cuda_kv
-from kernels.cuda_source import compact
 
 _SOURCE = r"""
   // One block of NT threads per row; thread t keeps elements [t * E, t * E + E) in registers, so each
@@ -60,8 +59,8 @@ _SOURCE = r"""
 
 @functools.cache
 def _kernel():
-    return mx.fast.cuda_kernel(name="bm_add_rms_norm", input_names=["x", "r", "w", "eps"], output_names=["h", "y"],
-                               source=compact(_SOURCE))
+    return cuda_kv.custom_kernel("bm_add_rms_norm", _SOURCE, input_names=["x", "r", "w", "eps"],
+                                 output_names=["h", "y"])
 
 
 @functools.cache

@@ -26,7 +26,6 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import Llama3RoPE
 
 from kernels import cuda_kv
-from kernels.cuda_source import compact, kernel_header
 from kernels.kv_format import LayerFormat
 from kernels.paged_attention import uses_cuda
 
@@ -170,18 +169,17 @@ class RopeSpec:
 
 @functools.cache
 def _kernel():
-    return mx.fast.cuda_kernel(name="bm_qkv_rope", input_names=["qkv", "pos", "freqs", "qw", "kw", "fp"],
-                               output_names=["qo", "ko", "vo"], source=compact(_source(_PASS)))
+    return cuda_kv.custom_kernel("bm_qkv_rope", _source(_PASS), input_names=["qkv", "pos", "freqs", "qw", "kw", "fp"],
+                                 output_names=["qo", "ko", "vo"])
 
 
 @functools.cache
 def _encoding_kernel():
-    return mx.fast.cuda_kernel(
-        name="bm_qkv_rope_encode",
+    return cuda_kv.custom_kernel(
+        "bm_qkv_rope_encode", _source(_CODE) + _ENCODE,
         input_names=["qkv", "pos", "freqs", "qw", "kw", "fp", "ksign", "vsign", "kedges", "kcents", "kindex",
                      "vedges", "vcents", "vindex", "kmean"],
-        output_names=["qo", "rows"], source=compact(_source(_CODE) + _ENCODE),
-        header=kernel_header(_source(_CODE) + _ENCODE))
+        output_names=["qo", "rows"])
 
 
 @functools.cache
