@@ -207,6 +207,7 @@ def decode_attention(
     scale: float,
     sinks: mx.array | None = None,
     tuning: Tuning | None = None,
+    flat: bool = False,
 ) -> mx.array:
     """Fused paged decode attention: one query per row over its live token slots.
 
@@ -222,9 +223,10 @@ def decode_attention(
         scale (float): Score scale.
         sinks (mx.array | None): [n_heads] learned attention-sink logits, or None.
         tuning (Tuning | None): Launch shape; None picks `default_tuning`.
+        flat (bool): Return [B, n_heads * D], the output projection's input, the same memory without a reshape.
 
     Returns:
-        mx.array: [B, n_heads, 1, D] in the queries' dtype and the model's domain.
+        mx.array: [B, n_heads, 1, D] (flat: [B, n_heads * D]) in the queries' dtype and the model's domain.
 
     Raises:
         ValueError: a format the kernels do not take (`LayerFormat.is_regular` is false).
@@ -274,7 +276,7 @@ def decode_attention(
                   ("UNROTATE", fmt.value.kind == AURA)],
         grid=(head_dim * merge, n_heads, batch),
         threadgroup=(head_dim * merge, 1, 1),
-        output_shapes=[(batch, n_heads, 1, head_dim)],
+        output_shapes=[(batch, n_heads * head_dim) if flat else (batch, n_heads, 1, head_dim)],
         output_dtypes=[queries.dtype],
     )
     return out

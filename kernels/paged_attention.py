@@ -97,6 +97,7 @@ def _gather_blocks(pool: mx.array, pages: mx.array, heads: mx.array, num_pages: 
 def decode_attention(
     queries: mx.array, ref: PoolRef, page_table: mx.array, lengths: mx.array, *, scale: float,
     sinks: mx.array | None = None,
+    flat: bool = False,
 ) -> mx.array:
     """Attention of one query per row over every live slot of the row.
 
@@ -107,14 +108,16 @@ def decode_attention(
         lengths (mx.array): int32 [B], live slots per row (all attended).
         scale (float): Score scale.
         sinks (mx.array | None): [n_heads] learned attention-sink logits.
+        flat (bool): Return [B, n_heads * Dv] (the output projection's input; on CUDA without a reshape).
 
     Returns:
-        mx.array: [B, n_heads, 1, Dv] in the queries' dtype.
+        mx.array: [B, n_heads, 1, Dv] (flat: [B, n_heads * Dv]) in the queries' dtype.
     """
     if uses_cuda(ref.fmt):
-        return cuda_kv.decode_attention(queries, ref.fmt, ref.pools, ref.tails, page_table, lengths,
+        return cuda_kv.decode_attention(queries, ref.fmt, ref.pools, ref.tails, page_table, lengths, flat=flat,
                                         n_kv_heads=ref.n_kv_heads, page_size=ref.page_size, scale=scale, sinks=sinks)
-    return _attend_chunks(queries, ref, History(lengths, page_table), None, None, scale=scale, sinks=sinks)
+    out = _attend_chunks(queries, ref, History(lengths, page_table), None, None, scale=scale, sinks=sinks)
+    return out.reshape(out.shape[0], -1) if flat else out
 
 
 def uses_cuda(fmt: LayerFormat) -> bool:

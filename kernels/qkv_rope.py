@@ -5,7 +5,9 @@ value heads, RMS-normalizes q and k per head (Qwen3) and rotates them (RoPE): on
 reshape, three slices and two to four kernels per layer, each costing host launch time (issue
 10). Where MLX's CUDA backend is the default device, `split_qkv_rope` does it all in one
 kernel; elsewhere it runs the same MLX ops the model would (`mx.fast.rms_norm`,
-`mx.fast.rope`). The kernel mirrors MLX's CUDA RoPE (`theta = (scale * position) * inv_freq`,
+`mx.fast.rope`). In a decode window, `split_qkv_rope_store` also writes k and v (coded, in a
+compressed layer) into their tail-pool rows in place: one launch where a scatter per pool and
+its reshapes followed. The kernel mirrors MLX's CUDA RoPE (`theta = (scale * position) * inv_freq`,
 `inv_freq = 2^(-i / (dims / 2) * log2(base))` or `1 / freqs[i]`, float32 math, precise
 `cos`/`sin`) and rounds as MLX does; its RMSNorm sums squares in another order than
 `mx.fast.rms_norm`, so a normalized value may differ in its last bit.
@@ -87,9 +89,16 @@ _PASS = {"VALUE_OUT": """T* dst = vo + ((size_t)b * KV + (j - H - KV)) * D;
     dst[i + NT] = src[i + NT];
     return;  // no barrier below is reached by a value block""",
          "KEY_OUT": "ko + ((size_t)b * KV + (j - H)) * D"}
+# In place: a raw layer's key and value go straight into their pool rows `wrows[b * KV + h]` (inputs that
+# MLX passes as const: see `split_qkv_rope_store` for why writing them is sound).
+_STORE_RAW = {"VALUE_OUT": """T* dst = const_cast<T*>(vpool) + (size_t)wrows[b * KV + (j - H - KV)] * D;
+    dst[i] = src[i];
+    dst[i + NT] = src[i + NT];
+    return;""",
+              "KEY_OUT": "const_cast<T*>(kpool) + (size_t)wrows[b * KV + (j - H)] * D"}
 _CODE = {"VALUE_OUT": "y[i] = a;\n    y[i + NT] = c;", "KEY_OUT": "nullptr"}
 
-# `_SOURCE` with ENC: key and value blocks then code their vector into its cache row: warp 0 (D >= 64,
+# `_SOURCE` with ENC: key and value blocks then code their vector into its pool row: warp 0 (D >= 64,
 # so D / 2 >= 32 threads) holds dims [lane * E, lane * E + E) of `y` (E = D / 32), subtracts the key mean
 # (CENTER), and runs `encode_part` (`kernels.cuda_source`), exactly as `ENCODE` does on the same
 # values: a key and a value of one row are coded by two blocks into disjoint words and halves.
@@ -116,7 +125,7 @@ _ENCODE = r"""
     if (CENTER && is_k) xe[e] -= kmean[h * D + d];
   }
   __shared__ uint32_t sidx[D];
-  uint32_t* row = rows + ((size_t)b * KV + h) * ROWW;
+  uint32_t* row = const_cast<uint32_t*>(pool) + (size_t)wrows[b * KV + h] * ROWW;  // in place
   __half* meta = reinterpret_cast<__half*>(row + MOFF);
   if (is_k) {
     encode_part<KMODE, KBITS, KGS, D, NG>(xe, i, ksign, sedges, KNE, kcents, kindex, sidx, row, meta);
@@ -167,19 +176,26 @@ class RopeSpec:
                             offset=offset, freqs=self.freqs)
 
 
+_ROPE_INPUTS = ("qkv", "pos", "freqs", "qw", "kw", "fp")
+
+
 @functools.cache
 def _kernel():
-    return cuda_kv.custom_kernel("bm_qkv_rope", _source(_PASS), input_names=["qkv", "pos", "freqs", "qw", "kw", "fp"],
+    return cuda_kv.custom_kernel("bm_qkv_rope", _source(_PASS), input_names=list(_ROPE_INPUTS),
                                  output_names=["qo", "ko", "vo"])
 
 
 @functools.cache
-def _encoding_kernel():
+def _store_kernel(coded: bool):
+    """The in-place kernel: q out; k and v into pool rows as they are (raw) or coded (`_ENCODE`)."""
+    if not coded:
+        return cuda_kv.custom_kernel("bm_qkv_rope_store", _source(_STORE_RAW),
+                                     input_names=[*_ROPE_INPUTS, "kpool", "vpool", "wrows"], output_names=["qo"])
     return cuda_kv.custom_kernel(
         "bm_qkv_rope_encode", _source(_CODE) + _ENCODE,
-        input_names=["qkv", "pos", "freqs", "qw", "kw", "fp", "ksign", "vsign", "kedges", "kcents", "kindex",
-                     "vedges", "vcents", "vindex", "kmean"],
-        output_names=["qo", "rows"])
+        input_names=[*_ROPE_INPUTS, "pool", "wrows", "ksign", "vsign", "kedges", "kcents", "kindex", "vedges", "vcents",
+                     "vindex", "kmean"],
+        output_names=["qo"])
 
 
 @functools.cache
@@ -239,18 +255,23 @@ def split_qkv_rope(
     ))
 
 
-def encodes(fmt: LayerFormat, head_dim: int, rope: RopeSpec) -> bool:
-    """Whether `split_qkv_rope_encode` serves a layer: MLX's CUDA backend, a compressed format the CUDA
-    kernels take (`kernels.paged_attention.uses_cuda`), head_dim >= 64 (a warp of the block codes each
-    vector), and a RoPE the kernel applies."""
-    return (not fmt.is_raw and uses_cuda(fmt) and fmt.key_dim == head_dim >= 64 and rope.dims % 2 == 0
-            and rope.dims <= head_dim)
+def stores(fmt: LayerFormat, head_dim: int, rope: RopeSpec, dtype: mx.Dtype) -> bool:
+    """Whether `split_qkv_rope_store` serves a layer: a format the fused CUDA attention reads
+    (`kernels.paged_attention.uses_cuda`: its kernel takes q, so it runs after the write; the MLX-ops
+    path's page gathers do not, and could read the rows before they are written), a RoPE the kernel
+    applies, and raw pools head_dim wide in the activations' dtype, or compressed rows of head_dim >= 64
+    (a warp of the block codes each vector)."""
+    if not uses_cuda(fmt) or fmt.key_dim != head_dim or head_dim % 2 or rope.dims % 2 or rope.dims > head_dim:
+        return False
+    return fmt.key.dtype == fmt.value.dtype == dtype if fmt.is_raw else head_dim >= 64
 
 
-def split_qkv_rope_encode(
+def split_qkv_rope_store(
     qkv: mx.array,
     fmt: LayerFormat,
     key_mean: mx.array | None,
+    pools: tuple[mx.array, ...],
+    rows: mx.array,
     *,
     n_heads: int,
     n_kv_heads: int,
@@ -259,38 +280,62 @@ def split_qkv_rope_encode(
     offset: int | mx.array,
     q_norm: nn.RMSNorm | None = None,
     k_norm: nn.RMSNorm | None = None,
-) -> tuple[mx.array, mx.array]:
-    """`split_qkv_rope`, with the new keys and values coded into cache rows in the same launch.
+) -> mx.array:
+    """`split_qkv_rope`'s queries; its keys and values written into their pool rows in the same launch, in place.
 
-    The rows equal `kernels.cuda_kv.encode_rows(fmt, k, v, key_mean)` of the k and v `split_qkv_rope`
-    returns, bit for bit (the same values go through the same `encode_part`), one launch instead of two.
+    A raw layer's k and v land as `split_qkv_rope` returns them; a compressed layer's are coded into one row
+    each, equal bit for bit to `kernels.cuda_kv.encode_rows(fmt, k, v, key_mean)` (the same values through
+    the same `encode_part`). One launch, where the split, the coding and a scatter per pool took three to
+    five primitives a layer, each costing host time at every decode step (issue 10).
+
+    In place: MLX arrays are values, and this kernel writes into `pools`, which MLX passes it as read-only
+    inputs and still considers unchanged. That is sound only as the decode window uses it
+    (`services.engine.cache.decode_window`): the pools are evaluated, row-contiguous buffers (MLX hands
+    them over uncopied) that their owner keeps alive and no other array shares; every read of the
+    written rows depends on the returned q (the step's attention) or comes in a later evaluation; and
+    nothing evaluated together with this launch reads those rows without such a dependency (MLX
+    orders a graph's kernels only by the data they pass). `stores` admits only layers whose attention is
+    the fused CUDA kernel, which takes q.
 
     Args:
         qkv, n_heads, n_kv_heads, head_dim, rope, offset, q_norm, k_norm: As `split_qkv_rope`.
-        fmt (LayerFormat): The layer's compressed format (`encodes` must hold).
-        key_mean (mx.array | None): float32 [n_kv_heads, 1, head_dim], row-contiguous: keys are coded
-            centered on it (`services.engine.cache.centering`); None: as they come.
+        fmt (LayerFormat): The layer's format (`stores` must hold).
+        key_mean (mx.array | None): float32 [n_kv_heads, 1, head_dim], row-contiguous: compressed keys are
+            coded centered on it (`services.engine.cache.centering`); None: as they come (raw: must be None).
+        pools (tuple[mx.array, ...]): raw (K, V) `[R, head_dim]` in qkv's dtype, or (rows,) uint32
+            `[R, row_words]`: pool rows `(h * pages + page) * P + slot` (`services.engine.cache.pool_rows`).
+        rows (mx.array): int32 [B * n_kv_heads]: the pool row of kv head h of row b at `b * n_kv_heads + h`.
 
     Returns:
-        tuple: q [B, H, 1, D] (normalized, RoPE applied, qkv's dtype) and rows uint32 [B, KV, 1, row_words].
+        mx.array: q [B, H, 1, D], normalized, RoPE applied, in qkv's dtype.
 
     Raises:
-        ValueError: as `split_qkv_rope`, or a layer `encodes` does not serve.
+        ValueError: as `split_qkv_rope`; a layer `stores` does not serve; pools or rows of another shape or
+            dtype; a key mean for a raw layer.
     """
     batch, heads = _check(qkv, n_heads, n_kv_heads, head_dim, offset, q_norm, k_norm)
-    if not encodes(fmt, head_dim, rope):
-        raise ValueError(f"the fused q/k/v coding serves compressed regular formats on CUDA, head_dim >= 64; "
-                         f"got {fmt} at head_dim {head_dim}")
+    if not stores(fmt, head_dim, rope, qkv.dtype):
+        raise ValueError(f"the in-place q/k/v kernel serves CUDA, raw pools in the activations' dtype or compressed "
+                         f"regular formats of head_dim >= 64; got {fmt} at head_dim {head_dim}, {qkv.dtype}")
+    want = [(qkv.dtype, head_dim)] * 2 if fmt.is_raw else [(mx.uint32, fmt.row_words)]
+    if [(p.dtype, p.shape[1] if p.ndim == 2 else None) for p in pools] != want:
+        raise ValueError(f"pools must be {len(want)} of [R, width] (dtype, width) {want}, got "
+                         f"{[(p.dtype, p.shape) for p in pools]}")
+    if rows.dtype != mx.int32 or rows.shape != (batch * n_kv_heads,):
+        raise ValueError(f"rows must be int32 [{batch * n_kv_heads}], got {rows.dtype} {rows.shape}")
+    if fmt.is_raw and key_mean is not None:
+        raise ValueError("raw layers store keys as they come: no key mean")
     inputs, template = _rope_args(qkv, n_heads, n_kv_heads, head_dim, rope, offset, q_norm, k_norm)
+    out = dict(grid=(batch * heads * (head_dim // 2), 1, 1), threadgroup=(head_dim // 2, 1, 1),
+               output_shapes=[(batch, n_heads, 1, head_dim)], output_dtypes=[qkv.dtype])
+    if fmt.is_raw:
+        (q,) = _store_kernel(False)(inputs=[*inputs, *pools, rows], template=[*template, ("ENC", False)], **out)
+        return q
     code_inputs, code_template = cuda_kv.encoder_args(fmt, head_dim, key_mean)
-    q, rows = _encoding_kernel()(
-        inputs=[*inputs, *code_inputs],
-        template=[*template, ("ENC", True), *[arg for arg in code_template if arg[0] != "D"]],
-        grid=(batch * heads * (head_dim // 2), 1, 1), threadgroup=(head_dim // 2, 1, 1),
-        output_shapes=[(batch, n_heads, 1, head_dim), (batch, n_kv_heads, 1, fmt.row_words)],
-        output_dtypes=[qkv.dtype, mx.uint32],
-    )
-    return q, rows
+    (q,) = _store_kernel(True)(
+        inputs=[*inputs, pools[0], rows, *code_inputs],
+        template=[*template, ("ENC", True), *[arg for arg in code_template if arg[0] != "D"]], **out)
+    return q
 
 
 def _check(qkv, n_heads, n_kv_heads, head_dim, offset, q_norm, k_norm) -> tuple[int, int]:

@@ -8,6 +8,7 @@ taken when the runner launches it), then counts primitives by kind. View-only pr
 
     python -m ops.step_ops                              # CPU, the default model
     python -m ops.step_ops --random-model llama-1b      # GPU, Llama-3.2-1B shape, bf16
+    python -m ops.step_ops --step 1 --dot step.dot      # a window's second step; its graph as dot
 
 Prints JSON (not a test).
 """
@@ -27,10 +28,10 @@ VIEWS = {"Reshape", "Transpose", "Slice", "ExpandDims", "Squeeze", "Broadcast", 
          "AsStrided", "Split", "View", "StopGradient", "Depends"}
 
 
-def count_graph(outputs: list[mx.array]) -> dict:
-    """Primitives of the graph behind `outputs` (unevaluated), by kind."""
+def count_graph(outputs: list[mx.array], dot: str | None = None) -> dict:
+    """Primitives of the graph behind `outputs` (unevaluated), by kind; `dot`: also keep the graph there."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "step.dot"
+        path = Path(dot or Path(tmp) / "step.dot")
         mx.export_to_dot(str(path), *outputs)
         labels = re.findall(r'\[label\s*=\s*"?([A-Za-z][^",\]]*)', path.read_text())
     kinds = collections.Counter(label.split()[0] for label in labels)
@@ -44,6 +45,9 @@ def main() -> None:
     parser.add_argument("--random-model", help="a model of ops.bench_kv.RANDOM_MODELS (random weights)")
     parser.add_argument("--kv-cache", default="raw")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--step", type=int, default=0,
+                        help="which step of the window (0: the first, which also copies the tail pages in)")
+    parser.add_argument("--dot", help="also write that step's graph here (mx.export_to_dot)")
     args = parser.parse_args()
     from services.engine.cache import CacheOptions
     from services.engine.core import EngineCore
@@ -58,7 +62,7 @@ def main() -> None:
         core.add_request(Request(str(i), [1, 2, 3, 4], SamplingParams(max_tokens=200)))
     for _ in range(3):
         core.step()
-    seen = []
+    seen, calls = [], [0]
     real = runner_module.mx
 
     class Spy:  # the runner's `mx`, recording the first decode step's graph before it launches
@@ -68,7 +72,9 @@ def main() -> None:
         @staticmethod
         def async_eval(*arrays):
             if not seen and launching[0]:
-                seen.append(count_graph([a for a in arrays if isinstance(a, mx.array)]))
+                if calls[0] == args.step:
+                    seen.append(count_graph([a for a in arrays if isinstance(a, mx.array)], args.dot))
+                calls[0] += 1
             return real.async_eval(*arrays)
 
     launching = [False]
@@ -85,7 +91,10 @@ def main() -> None:
         core.step()
     finally:
         runner_module.mx = real
+    if not seen:
+        raise SystemExit(f"the window launched {calls[0]} steps; --step {args.step} is past them")
     print(json.dumps({"device": str(mx.default_device()), "kv_cache": args.kv_cache, "batch": args.batch,
+                      "step": args.step,
                       "layers": len(core.cache.layers), **seen[0]}, indent=1))
 
 

@@ -8,7 +8,6 @@ import pytest
 
 from services.engine import attention
 from services.engine.cache import CacheOptions
-from services.engine.cache import pool_rows
 from services.engine.cache.batched import BatchedKVCache
 from services.engine.cache.paged_layers import PagedLayerCache
 from services.engine.model.decode import LeanDecoder
@@ -39,10 +38,12 @@ def _both_forwards(model, scheme: str, prompt_lengths=(5, 17, 33)):
         batch = cache.batch([view], n)
         mx.eval(model(mx.array(rng.integers(0, vocab, (1, n)), mx.uint32), cache=batch.layers), cache.arrays)
     tokens = mx.array(rng.integers(0, vocab, len(views)), mx.uint32)
-    before = [mx.array(np.array(a)) for a in cache.arrays]  # copies: a write rebinds the cache's own arrays in place
+    before = [mx.array(np.array(a)) for a in cache.arrays]  # copies: the lean step writes them (on CUDA in place)
     batch = cache.batch(views, 1)
     storage = cache.storage.with_arrays(before)
-    lean_caches = [PagedLayerCache(storage, i, c.spec, c.index) for i, c in enumerate(batch.layers)]
+    # The main pools stand in for a window's tail (page ids past the main pages would name tail pages; none do):
+    # on CUDA the q/k/v launch writes k and v into them in place, as a decode window's step writes its tail.
+    lean_caches = [PagedLayerCache(storage, i, c.spec, c.index, tail=storage) for i, c in enumerate(batch.layers)]
     want = model(tokens[:, None], cache=batch.layers)[:, -1]
     decoder = LeanDecoder.build(model)
     assert decoder is not None
@@ -78,8 +79,8 @@ def test_other_families_lean_step_equals_mlx_lm_forward(family, extra):
 
 @pytest.mark.parametrize("scheme", ["affine4", "aura4v4", "aura8v4"])
 def test_compressed_lean_step_equals_mlx_lm_forward(scheme):
-    """head_dim 64, compressed caches: on CUDA the lean step codes k and v in its q/k/v launch
-    (`split_qkv_rope_encode`, `PagedLayerCache.store_rows`), mlx-lm's forward through the cache's encoder."""
+    """head_dim 64, compressed caches: on CUDA the lean step codes k and v into their rows in its q/k/v launch
+    (`split_qkv_rope_store`), mlx-lm's forward through the cache's encoder."""
     model = _tiny("llama", tie_word_embeddings=True, head_dim=64)
     fuse_projections(model)
     (want, want_pool), (got, got_pool), written = _both_forwards(model, scheme)
@@ -129,42 +130,18 @@ def test_unfused_or_foreign_models_keep_their_own_forward():
         head_dim=32, rms_norm_eps=1e-6, vocab_size=64, num_key_value_heads=1))) is None
 
 
-def test_store_rows_writes_what_update_and_fetch_writes():
-    """Coded rows handed to `store_rows` land where `update_and_fetch` puts the rows it codes itself."""
+def test_store_target_is_the_tail_of_a_one_token_forward():
+    """`store_target`: the layer's tail pools and the step's write rows; none without a tail or for a prompt chunk."""
     model = _tiny("llama", tie_word_embeddings=True, head_dim=64)
-    cache = BatchedKVCache.for_model(model, CacheOptions(scheme="aura4v4", max_context=256), capacity_tokens=512,
-                                     page_size=16, max_slots=4)
-    views = [cache.acquire() for _ in range(2)]
-    batch = cache.batch(views, 1)
-    spec, index = batch.layers[0].spec, batch.layers[0].index
-    rng = np.random.default_rng(5)
-    k, v = (mx.array(rng.standard_normal((2, 2, 1, 64)).astype(np.float32)) for _ in range(2))
-    written = []
-    for store in ("update_and_fetch", "store_rows"):
-        storage = cache.storage.with_arrays([mx.array(np.array(a)) for a in cache.arrays])
-        layer = PagedLayerCache(storage, 0, spec, index)
-        assert layer.encoded_format == spec.fmt
-        if store == "update_and_fetch":
-            layer.update_and_fetch(k, v)
-        else:
-            (rows,) = pool_rows.encode(spec.fmt, k, v, spec.key_mean)  # the encoder update_and_fetch runs here
-            layer.store_rows(rows)
-        written.append(np.array(storage.arrays[0]))
-    np.testing.assert_array_equal(written[0], written[1])
-    assert np.abs(written[0]).sum() > 0
-    for bad in (rows[:1], rows.reshape(2, 1, 2, -1), rows.astype(mx.int32)):
-        with pytest.raises(ValueError, match="planned for coded rows"):
-            PagedLayerCache(cache.storage, 0, spec, index).store_rows(bad)
-
-
-def test_raw_and_prompt_layers_take_no_coded_rows():
-    model = _tiny("llama", tie_word_embeddings=True, head_dim=64)
-    raw = BatchedKVCache.for_model(model, CacheOptions(scheme="raw", max_context=256), capacity_tokens=512,
-                                   page_size=16, max_slots=4)
-    layer = raw.batch([raw.acquire()], 1).layers[0]
-    assert layer.encoded_format is None
-    with pytest.raises(ValueError, match="update_and_fetch"):
-        layer.store_rows(mx.zeros((1, 2, 1, 1), mx.uint32))
-    aura = BatchedKVCache.for_model(model, CacheOptions(scheme="aura4v4", max_context=256), capacity_tokens=512,
-                                    page_size=16, max_slots=4)
-    assert aura.batch([aura.acquire()], 5).layers[0].encoded_format is None  # a prompt chunk: several tokens a row
+    for scheme, n_pools in (("raw", 2), ("aura4v4", 1)):
+        cache = BatchedKVCache.for_model(model, CacheOptions(scheme=scheme, max_context=256), capacity_tokens=512,
+                                         page_size=16, max_slots=4)
+        views = [cache.acquire() for _ in range(2)]
+        layer = cache.batch(views, 1).layers[1]
+        assert layer.store_target is None  # no tail: update_and_fetch writes the main pools
+        tail = cache.storage.with_arrays(cache.arrays)
+        pools, rows = PagedLayerCache(tail, 1, layer.spec, layer.index, tail=tail).store_target
+        assert len(pools) == n_pools and all(p is q for p, q in zip(pools, tail.pools[1]))
+        assert rows is layer.index.write_rows and rows.shape == (2 * 2,) and rows.dtype == mx.int32
+        chunk = cache.batch([cache.acquire()], 5).layers[1]
+        assert PagedLayerCache(tail, 1, chunk.spec, chunk.index, tail=tail).store_target is None  # 5 tokens a row

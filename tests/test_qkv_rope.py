@@ -1,6 +1,6 @@
 """`split_qkv_rope` equals float64 RMSNorm + RoPE and the model's own modules (the CUDA kernel where it runs,
-on the H200; the MLX-ops fallback on a CPU-only machine); `split_qkv_rope_encode` equals it followed by the
-cache's CUDA encoder."""
+on the H200; the MLX-ops fallback on a CPU-only machine); `split_qkv_rope_store` writes its k and v (coded by
+the cache's CUDA encoder in a compressed layer) into the pool rows asked, in place."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
 
 from kernels import cuda_kv
-from kernels.qkv_rope import RopeSpec, encodes, split_qkv_rope, split_qkv_rope_encode
+from kernels.qkv_rope import RopeSpec, split_qkv_rope, split_qkv_rope_store, stores
 from services.engine.cache.schemes import layer_format
 
 ULP = {mx.float32: 2.0**-23, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
@@ -145,7 +145,9 @@ def test_a_scalar_array_offset_is_every_row_s_position():
 
 
 ON_CUDA = cuda_kv.is_available()
-CODED = [  # scheme, head_dim, rope, q/k norm, keys centered
+STORED = [  # scheme, head_dim, rope, q/k norm, keys centered
+    ("raw", 64, "llama3", False, False),
+    ("raw", 128, "qwen3", True, False),
     ("affine4", 64, "llama3", False, False),
     ("affine8", 128, "qwen3", True, True),
     ("aura4v4", 64, "default", False, True),
@@ -155,15 +157,16 @@ CODED = [  # scheme, head_dim, rope, q/k norm, keys centered
 ]
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="the fused coding is a CUDA kernel, which needs MLX's CUDA backend; run on the H200")
-@pytest.mark.parametrize("scheme, head_dim, rope, norm, centered", CODED)
-def test_fused_coding_equals_split_then_encode_rows(scheme, head_dim, rope, norm, centered):
-    """One launch gives the q of `split_qkv_rope` and the rows `encode_rows` codes from its k and v, bit for bit."""
+@pytest.mark.skipif(not ON_CUDA, reason="the in-place q/k/v kernel needs MLX's CUDA backend; run on the H200")
+@pytest.mark.parametrize("scheme, head_dim, rope, norm, centered", STORED)
+def test_store_writes_split_k_v_into_the_rows_asked_in_place(scheme, head_dim, rope, norm, centered):
+    """One launch gives the q of `split_qkv_rope`, and its k and v (raw) or the rows `encode_rows` codes from
+    them land in the pool rows asked, bit for bit, in the pool arrays given; every other row keeps its bits."""
     spec = RopeSpec.of(ROPES[rope](head_dim))
-    heads, kv = 8, 2
+    heads, kv, batch, num_rows = 8, 2, 3, 40
     rng = np.random.default_rng(head_dim)
     pos = mx.array([3, 900, 33000], mx.int32)
-    qkv = mx.array(rng.standard_normal((3, (heads + 2 * kv) * head_dim)) * 2, mx.bfloat16)
+    qkv = mx.array(rng.standard_normal((batch, (heads + 2 * kv) * head_dim)) * 2, mx.bfloat16)
     q_norm = k_norm = None
     if norm:
         q_norm, k_norm = nn.RMSNorm(head_dim, eps=1e-6), nn.RMSNorm(head_dim, eps=1e-6)
@@ -172,22 +175,53 @@ def test_fused_coding_equals_split_then_encode_rows(scheme, head_dim, rope, norm
     fmt = layer_format(scheme, layer=0, dtype=mx.bfloat16, head_dim=head_dim)
     mean = mx.array(rng.standard_normal((kv, 1, head_dim)), mx.float32) if centered else None
     shape = dict(n_heads=heads, n_kv_heads=kv, head_dim=head_dim, rope=spec, offset=pos, q_norm=q_norm, k_norm=k_norm)
-    assert encodes(fmt, head_dim, spec)
-    q, rows = split_qkv_rope_encode(qkv, fmt, mean, **shape)
+    assert stores(fmt, head_dim, spec, mx.bfloat16)
+    widths = [(head_dim, mx.bfloat16)] * 2 if fmt.is_raw else [(fmt.row_words, mx.uint32)]
+    old = [rng.integers(0, 2**15, (num_rows, w)).astype(np.uint16 if d == mx.bfloat16 else np.uint32) for w, d in widths]
+    pools = tuple(mx.array(o).view(d) if d == mx.bfloat16 else mx.array(o) for o, (_, d) in zip(old, widths))
+    mx.eval(pools)
+    rows = np.array([7, 31, 0, 12, 39, 20], np.int32)  # row b * kv + h
+    q = split_qkv_rope_store(qkv, fmt, mean, pools, mx.array(rows), **shape)
     want_q, k, v = split_qkv_rope(qkv, **shape)
-    want_rows = cuda_kv.encode_rows(fmt, k, v, mean)
-    assert rows.shape == want_rows.shape == (3, kv, 1, fmt.row_words) and rows.dtype == mx.uint32
+    want = [k, v] if fmt.is_raw else [cuda_kv.encode_rows(fmt, k, v, mean)]
+    mx.eval(q)
     np.testing.assert_array_equal(np.array(q.astype(mx.float32)), np.array(want_q.astype(mx.float32)))
-    np.testing.assert_array_equal(np.array(rows), np.array(want_rows))
+    for pool, before, new in zip(pools, old, want):
+        got = np.array(pool.view(mx.uint16) if pool.dtype == mx.bfloat16 else pool)
+        new = np.array(new.view(mx.uint16) if new.dtype == mx.bfloat16 else new).reshape(len(rows), -1)
+        np.testing.assert_array_equal(got[rows], new)
+        kept = np.setdiff1d(np.arange(num_rows), rows)
+        np.testing.assert_array_equal(got[kept], before[kept])
 
 
-def test_fused_coding_serves_compressed_formats_of_head_dim_64_up_on_cuda_only():
+@pytest.mark.skipif(not ON_CUDA, reason="the in-place q/k/v kernel needs MLX's CUDA backend; run on the H200")
+def test_store_refuses_pools_and_rows_of_other_shapes():
+    spec = RopeSpec.of(nn.RoPE(64))
+    qkv = mx.zeros((2, 8 * 64), mx.bfloat16)
+    shape = dict(n_heads=4, n_kv_heads=2, head_dim=64, rope=spec, offset=0)
+    raw = layer_format("raw", layer=0, dtype=mx.bfloat16, head_dim=64)
+    pools, rows = (mx.zeros((8, 64), mx.bfloat16),) * 2, mx.arange(4, dtype=mx.int32)
+    with pytest.raises(ValueError, match="pools must be"):
+        split_qkv_rope_store(qkv, raw, None, pools[:1], rows, **shape)
+    with pytest.raises(ValueError, match="pools must be"):
+        split_qkv_rope_store(qkv, raw, None, (pools[0], mx.zeros((8, 32), mx.bfloat16)), rows, **shape)
+    with pytest.raises(ValueError, match="rows must be"):
+        split_qkv_rope_store(qkv, raw, None, pools, rows[:3], **shape)
+    with pytest.raises(ValueError, match="rows must be"):
+        split_qkv_rope_store(qkv, raw, None, pools, rows.astype(mx.int64), **shape)
+    with pytest.raises(ValueError, match="no key mean"):
+        split_qkv_rope_store(qkv, raw, mx.zeros((2, 1, 64)), pools, rows, **shape)
+
+
+def test_store_serves_cuda_raw_pools_of_the_activations_dtype_and_compressed_head_dim_64_up():
     spec = RopeSpec.of(nn.RoPE(64))
     aura = layer_format("aura4v4", layer=0, dtype=mx.bfloat16, head_dim=64)
-    assert encodes(aura, 64, spec) == ON_CUDA
-    assert not encodes(layer_format("raw", layer=0, dtype=mx.bfloat16, head_dim=64), 64, spec)  # raw: no coding
-    assert not encodes(layer_format("aura4v4", layer=0, dtype=mx.bfloat16, head_dim=32), 32, RopeSpec.of(nn.RoPE(32)))
+    raw = layer_format("raw", layer=0, dtype=mx.bfloat16, head_dim=64)
+    assert stores(aura, 64, spec, mx.bfloat16) == stores(raw, 64, spec, mx.bfloat16) == ON_CUDA
+    assert not stores(raw, 64, spec, mx.float16)  # the kernel writes the activations' type
+    assert not stores(layer_format("aura4v4", layer=0, dtype=mx.bfloat16, head_dim=32), 32, RopeSpec.of(nn.RoPE(32)),
+                      mx.bfloat16)
     if not ON_CUDA:
-        with pytest.raises(ValueError, match="fused q/k/v coding"):
-            split_qkv_rope_encode(mx.zeros((1, 8 * 64)), aura, None, n_heads=4, n_kv_heads=2, head_dim=64, rope=spec,
-                                  offset=0)
+        with pytest.raises(ValueError, match="in-place q/k/v kernel serves CUDA"):
+            split_qkv_rope_store(mx.zeros((1, 8 * 64)), aura, None, (mx.zeros((4, aura.row_words), mx.uint32),),
+                                 mx.arange(2, dtype=mx.int32), n_heads=4, n_kv_heads=2, head_dim=64, rope=spec, offset=0)

@@ -153,27 +153,14 @@ class PagedLayerCache(AttendingCache):
         return keys, values
 
     @property
-    def encoded_format(self) -> LayerFormat | None:
-        """The format new K/V may be handed over in, already coded (`store_rows`): a compressed layer's,
-        in a one-token-per-row forward; None where `update_and_fetch` must be called."""
-        fmt = self.spec.fmt
-        return None if fmt.is_raw or self.spec.latent or self.index.num_new != 1 else fmt
-
-    def store_rows(self, rows: mx.array) -> None:
-        """Store one new token per row already coded in `encoded_format` (keys centered on `spec.key_mean`).
-
-        Args:
-            rows (mx.array): uint32 [B, n_kv_heads, 1, row_words] (`kernels.qkv_rope.split_qkv_rope_encode`).
-
-        Raises:
-            ValueError: the layer takes no coded rows, or rows of another shape or dtype than planned.
-        """
-        if self.encoded_format is None:
-            raise ValueError(f"this forward's {self.spec.fmt.name} layer takes K/V through update_and_fetch")
-        want = (self.index.batch, self.storage.n_kv_heads, 1, self.spec.fmt.row_words)
-        if rows.shape != want or rows.dtype != mx.uint32:
-            raise ValueError(f"planned for coded rows uint32 {list(want)}, got {rows.dtype} {list(rows.shape)}")
-        self._write((rows,))
+    def store_target(self) -> tuple[tuple[mx.array, ...], mx.array] | None:
+        """Where a one-token-per-row forward of a decode window may write its new K/V in place: the layer's
+        tail pools and the pool rows, int32 [B * n_kv_heads] in (row, kv head) order
+        (`kernels.qkv_rope.split_qkv_rope_store`); None where `update_and_fetch` must be called (prompt
+        chunks, latent layers, forwards without a tail)."""
+        if self.tail is None or self.spec.latent or self.index.num_new != 1 or self.index.write_source is not None:
+            return None
+        return self.tail.pools[self.layer], self.index.write_rows
 
     def _write(self, new: tuple[mx.array, ...]) -> None:
         """Scatter the forward's new pool rows (per pool `[B, H, L, width]`) into its pages (a decode window's: the tail)."""
@@ -195,18 +182,20 @@ class PagedLayerCache(AttendingCache):
                                self.spec.rule)
         return None if N == 1 else "causal"
 
-    def attend(self, queries, keys, values, *, scale: float, mask, sinks=None) -> mx.array:
-        """Attention of queries [B, n_heads, L, Dk] over the rows' slots; `mask` is ignored (latent: used)."""
+    def attend(self, queries, keys, values, *, scale: float, mask, sinks=None, flat: bool = False) -> mx.array:
+        """Attention of queries [B, n_heads, L, Dk] over the rows' slots: [B, n_heads, L, Dv]; `mask` is ignored
+        (latent: used). `flat`, for one query per row: [B, n_heads * Dv] (the decode kernel writes it so)."""
         index, spec = self.index, self.spec
         if spec.latent:  # keys and values are what the model derived from update_and_fetch's slots
-            return contiguous_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        ref = self._ref()
-        if index.num_new == 1:
-            return decode_attention(queries, ref, index.page_table, index.lengths, scale=scale, sinks=sinks)
-        history = self._history()
-        new_k, new_v = spec.fmt.decode(self._new)
-        return prefill_attention(queries, ref, history, new_k, new_v, index.query_positions, window=spec.rule,
-                                 scale=scale, sinks=sinks)
+            out = contiguous_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        elif index.num_new == 1:
+            return decode_attention(queries, self._ref(), index.page_table, index.lengths, scale=scale, sinks=sinks,
+                                    flat=flat)
+        else:
+            new_k, new_v = spec.fmt.decode(self._new)
+            out = prefill_attention(queries, self._ref(), self._history(), new_k, new_v, index.query_positions,
+                                    window=spec.rule, scale=scale, sinks=sinks)
+        return out.reshape(out.shape[0], -1) if flat else out
 
     def _ref(self) -> PoolRef:
         ref = self.storage.ref(self.layer, self.spec.fmt)

@@ -7,9 +7,10 @@ the GPU's own execution (`ops/results/gpu_time_llama-1b.json`). mlx-lm's modules
 adds a weight transpose and a flatten/unflatten around its matmul, and attention reshapes and
 transposes q, k, v and its output — about 30 views per layer that launch nothing. This forward
 runs the same modules' weights on `[B, D]` activations (one token per row): the weights'
-transposes are taken once (evaluated views, no copy), q, k and v come out of the fused projection
-normalized (Qwen3) and rotated in one launch (`kernels.qkv_rope`; in a compressed layer on CUDA, the
-same launch codes k and v into their cache rows), each residual add runs in one
+transposes are taken once (evaluated views, no copy), the MLP's SwiGLU reads the fused gate/up output in one
+launch (`kernels.swiglu`), q, k and v come out of the fused projection
+normalized (Qwen3) and rotated in one launch (`kernels.qkv_rope`; in a decode window on CUDA, the
+same launch writes k and v, coded in a compressed layer, into their tail rows), each residual add runs in one
 launch with the RMSNorm after it (`kernels.fused_norm`), and each layer's cache
 (`PagedLayerCache`) is called directly.
 
@@ -24,10 +25,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.activations import swiglu
 
 from kernels.fused_norm import add_rms_norm
-from kernels.qkv_rope import RopeSpec, encodes, split_qkv_rope, split_qkv_rope_encode
+from kernels.qkv_rope import RopeSpec, split_qkv_rope, split_qkv_rope_store, stores
+from kernels.swiglu import swiglu_halves
 
 from .fuse import FusedView
 
@@ -64,7 +65,6 @@ class _Layer:
     n_kv_heads: int
     head_dim: int
     scale: float
-    intermediate: int
 
 
 class LeanDecoder:
@@ -121,29 +121,26 @@ class LeanDecoder:
         normed = self._layers[0].input_norm(x)
         for layer, cache, next_norm in zip(self._layers, caches, self._next_norms):
             x, normed = add_rms_norm(x, _attention(layer, normed, cache), layer.post_norm.weight, layer.post_norm.eps)
-            h = _matmul(normed, layer.gate_up_t, None)
-            mlp = _matmul(swiglu(h[:, : layer.intermediate], h[:, layer.intermediate:]), layer.down_t, None)
+            mlp = _matmul(swiglu_halves(_matmul(normed, layer.gate_up_t, None)), layer.down_t, None)
             x, normed = add_rms_norm(x, mlp, next_norm.weight, next_norm.eps)
         return normed @ self._head_t
 
 
 def _attention(layer: _Layer, h: mx.array, cache) -> mx.array:
     """Self-attention of one token per row: h [B, hidden] -> [B, hidden]."""
-    batch = h.shape[0]
     heads, kv = layer.n_heads, layer.n_kv_heads
     qkv = _matmul(h, layer.qkv_t, layer.qkv_bias)
     split = dict(n_heads=heads, n_kv_heads=kv, head_dim=layer.head_dim, rope=layer.rope, offset=cache.offset,
                  q_norm=layer.q_norm, k_norm=layer.k_norm)
-    fmt = cache.encoded_format
-    if fmt is not None and encodes(fmt, layer.head_dim, layer.rope):
-        q, rows = split_qkv_rope_encode(qkv, fmt, cache.spec.key_mean, **split)  # one launch: no k, v in between
-        cache.store_rows(rows)
+    target = cache.store_target
+    if target is not None and stores(cache.spec.fmt, layer.head_dim, layer.rope, qkv.dtype):
+        q = split_qkv_rope_store(qkv, cache.spec.fmt, cache.spec.key_mean, *target, **split)  # k, v land in place
         k = v = None  # decode attention reads the pools
     else:
         q, k, v = split_qkv_rope(qkv, **split)
         k, v = cache.update_and_fetch(k, v)
-    out = cache.attend(q, k, v, scale=layer.scale, mask=None)  # [B, heads, 1, head_dim]
-    return _matmul(out.reshape(batch, heads * layer.head_dim), layer.o_t, layer.o_bias)
+    out = cache.attend(q, k, v, scale=layer.scale, mask=None, flat=True)  # [B, heads * head_dim]
+    return _matmul(out, layer.o_t, layer.o_bias)
 
 
 def _fused(views: tuple) -> object | None:
@@ -165,6 +162,8 @@ def _layer(block: nn.Module) -> _Layer | None:
     o, down = getattr(attn, "o_proj", None), getattr(mlp, "down_proj", None)
     if qkv is None or gate_up is None or gate_up.bias is not None or type(o) is not nn.Linear:
         return None
+    if gate_up.bounds[2] != 2 * gate_up.bounds[1]:  # `swiglu_halves` takes [gate | up] of equal widths
+        return None
     if type(down) is not nn.Linear or "bias" in down:
         return None
     norms = [getattr(block, "input_layernorm", None), getattr(block, "post_attention_layernorm", None)]
@@ -182,5 +181,4 @@ def _layer(block: nn.Module) -> _Layer | None:
         gate_up_t=_transposed(gate_up.weight), down_t=_transposed(down.weight),
         q_norm=q_norm, k_norm=k_norm, rope=rope,
         n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=head_dim, scale=attn.scale,
-        intermediate=gate_up.bounds[1],
     )
