@@ -38,7 +38,8 @@ def _both_forwards(model, scheme: str, prompt_lengths=(5, 17, 33)):
         batch = cache.batch([view], n)
         mx.eval(model(mx.array(rng.integers(0, vocab, (1, n)), mx.uint32), cache=batch.layers), cache.arrays)
     tokens = mx.array(rng.integers(0, vocab, len(views)), mx.uint32)
-    before = [mx.array(np.array(a)) for a in cache.arrays]  # copies: the lean step writes them (on CUDA in place)
+    before = [a + 0 for a in cache.arrays]  # copies: the lean step writes them (on CUDA in place)
+    mx.eval(before)
     batch = cache.batch(views, 1)
     storage = cache.storage.with_arrays(before)
     # The main pools stand in for a window's tail (page ids past the main pages would name tail pages; none do):
@@ -50,7 +51,12 @@ def _both_forwards(model, scheme: str, prompt_lengths=(5, 17, 33)):
     got = decoder(tokens, lean_caches)
     assert storage.arrays[0] is not cache.arrays[0]
     written = np.array(batch.layers[0].index.write_rows)  # the pool rows the step wrote
-    return (np.array(want), np.array(cache.arrays[0])), (np.array(got), np.array(storage.arrays[0])), written
+    return (_np(want), _np(cache.arrays[0])), (_np(got), _np(storage.arrays[0])), written
+
+
+def _np(a: mx.array) -> np.ndarray:
+    """NumPy has no bfloat16: such arrays come as float32 (exactly)."""
+    return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
 
 
 @pytest.mark.parametrize("scheme", ["raw", "aura4v4", "affine4"])
@@ -89,6 +95,25 @@ def test_compressed_lean_step_equals_mlx_lm_forward(scheme):
     # a coordinate sitting on a code threshold: a word or two of the step's 6 rows
     assert np.all(np.abs(want_pool[written]).sum(-1) > 0)
     assert np.mean(got_pool[written] == want_pool[written]) >= 0.95
+
+
+def test_bfloat16_lean_step_equals_mlx_lm_forward():
+    """bf16, K a multiple of 256: on CUDA, 2 to 8 rows project through `kernels.skinny_gemm` (float32 sums in
+    another order than cuBLAS: bf16 rounding differences, which each layer carries on)."""
+    attention.install()
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96,
+                           max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True)
+    mx.random.seed(4)
+    model = llama.Model(args)
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    fuse_projections(model)
+    (want, _), (got, _), _ = _both_forwards(model, "raw")
+    assert got.shape == want.shape == (3, 96)
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.05 * np.abs(want).max())
 
 
 def test_llama3_rope_model_lean_step_equals_mlx_lm_forward():

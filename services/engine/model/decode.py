@@ -7,7 +7,8 @@ the GPU's own execution (`ops/results/gpu_time_llama-1b.json`). mlx-lm's modules
 adds a weight transpose and a flatten/unflatten around its matmul, and attention reshapes and
 transposes q, k, v and its output — about 30 views per layer that launch nothing. This forward
 runs the same modules' weights on `[B, D]` activations (one token per row): the weights'
-transposes are taken once (evaluated views, no copy), the MLP's SwiGLU reads the fused gate/up output in one
+transposes are taken once (evaluated views, no copy), 2 to 8 rows project in one launch on CUDA
+(`kernels.skinny_gemm`, where MLX's cuBLASLt call costs ~20 µs more host time), the MLP's SwiGLU reads the fused gate/up output in one
 launch (`kernels.swiglu`), q, k and v come out of the fused projection
 normalized (Qwen3) and rotated in one launch (`kernels.qkv_rope`; in a decode window on CUDA, the
 same launch writes k and v, coded in a compressed layer, into their tail rows), each residual add runs in one
@@ -28,6 +29,7 @@ import mlx.nn as nn
 
 from kernels.fused_norm import add_rms_norm
 from kernels.qkv_rope import RopeSpec, split_qkv_rope, split_qkv_rope_store, stores
+from kernels.skinny_gemm import serves, skinny_matmul
 from kernels.swiglu import swiglu_halves
 
 from .fuse import FusedView
@@ -35,15 +37,26 @@ from .fuse import FusedView
 FAMILIES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 
 
-def _transposed(weight: mx.array) -> mx.array:
-    """`weight.T` as an evaluated view (shares the buffer), so no step traces a Transpose."""
-    t = weight.T
-    mx.eval(t)
-    return t
+@dataclass(frozen=True, slots=True)
+class _Proj:
+    """A projection `x @ weight.T (+ bias)` of [B, in] activations: 2 to 8 rows on CUDA in one launch
+    (`kernels.skinny_gemm`), else MLX's matmul on the weight's transpose, an evaluated view (shares the
+    buffer), so no step traces a Transpose."""
 
+    weight: mx.array  # [out, in], as stored
+    weight_t: mx.array  # [in, out]
+    bias: mx.array | None
 
-def _matmul(x: mx.array, weight_t: mx.array, bias: mx.array | None) -> mx.array:
-    return x @ weight_t if bias is None else mx.addmm(bias, x, weight_t)
+    @classmethod
+    def of(cls, weight: mx.array, bias: mx.array | None = None) -> _Proj:
+        t = weight.T
+        mx.eval(t)
+        return cls(weight, t, bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.bias is not None:
+            return mx.addmm(self.bias, x, self.weight_t)
+        return skinny_matmul(x, self.weight) if serves(x, self.weight) else x @ self.weight_t
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +65,10 @@ class _Layer:
 
     input_norm: nn.Module
     post_norm: nn.Module
-    qkv_t: mx.array  # [hidden, (n_heads + 2 * n_kv_heads) * head_dim]
-    qkv_bias: mx.array | None
-    o_t: mx.array  # [n_heads * head_dim, hidden]
-    o_bias: mx.array | None
-    gate_up_t: mx.array  # [hidden, 2 * intermediate]
-    down_t: mx.array  # [intermediate, hidden]
+    qkv: _Proj  # hidden -> (n_heads + 2 * n_kv_heads) * head_dim
+    o: _Proj  # n_heads * head_dim -> hidden
+    gate_up: _Proj  # hidden -> 2 * intermediate
+    down: _Proj  # intermediate -> hidden
     q_norm: nn.Module | None
     k_norm: nn.Module | None
     rope: RopeSpec
@@ -83,7 +94,7 @@ class LeanDecoder:
         self._embed, self._layers = inner.embed_tokens, layers
         self._next_norms = [layer.input_norm for layer in layers[1:]] + [inner.norm]  # the norm after each layer
         head = inner.embed_tokens if model.args.tie_word_embeddings else model.lm_head
-        self._head_t = _transposed(head.weight)
+        self._head = _Proj.of(head.weight)
 
     @classmethod
     def build(cls, model: nn.Module) -> LeanDecoder | None:
@@ -103,7 +114,8 @@ class LeanDecoder:
             return None
         dtype = inner.embed_tokens.weight.dtype  # the fused norm kernel computes in one dtype, as the model's must
         weights = [inner.norm.weight] + [w for layer in layers for w in (
-            layer.input_norm.weight, layer.post_norm.weight, layer.qkv_t, layer.o_t, layer.gate_up_t, layer.down_t)]
+            layer.input_norm.weight, layer.post_norm.weight, layer.qkv.weight, layer.o.weight, layer.gate_up.weight,
+            layer.down.weight)]
         weights += [n.weight for layer in layers for n in (layer.q_norm, layer.k_norm) if n is not None]
         return cls(model, layers) if all(w.dtype == dtype for w in weights) else None
 
@@ -121,15 +133,15 @@ class LeanDecoder:
         normed = self._layers[0].input_norm(x)
         for layer, cache, next_norm in zip(self._layers, caches, self._next_norms):
             x, normed = add_rms_norm(x, _attention(layer, normed, cache), layer.post_norm.weight, layer.post_norm.eps)
-            mlp = _matmul(swiglu_halves(_matmul(normed, layer.gate_up_t, None)), layer.down_t, None)
+            mlp = layer.down(swiglu_halves(layer.gate_up(normed)))
             x, normed = add_rms_norm(x, mlp, next_norm.weight, next_norm.eps)
-        return normed @ self._head_t
+        return self._head(normed)
 
 
 def _attention(layer: _Layer, h: mx.array, cache) -> mx.array:
     """Self-attention of one token per row: h [B, hidden] -> [B, hidden]."""
     heads, kv = layer.n_heads, layer.n_kv_heads
-    qkv = _matmul(h, layer.qkv_t, layer.qkv_bias)
+    qkv = layer.qkv(h)
     split = dict(n_heads=heads, n_kv_heads=kv, head_dim=layer.head_dim, rope=layer.rope, offset=cache.offset,
                  q_norm=layer.q_norm, k_norm=layer.k_norm)
     target = cache.store_target
@@ -140,7 +152,7 @@ def _attention(layer: _Layer, h: mx.array, cache) -> mx.array:
         q, k, v = split_qkv_rope(qkv, **split)
         k, v = cache.update_and_fetch(k, v)
     out = cache.attend(q, k, v, scale=layer.scale, mask=None, flat=True)  # [B, heads * head_dim]
-    return _matmul(out, layer.o_t, layer.o_bias)
+    return layer.o(out)
 
 
 def _fused(views: tuple) -> object | None:
@@ -176,9 +188,8 @@ def _layer(block: nn.Module) -> _Layer | None:
     head_dim = (qkv.bounds[2] - qkv.bounds[1]) // attn.n_kv_heads
     return _Layer(
         input_norm=norms[0], post_norm=norms[1],
-        qkv_t=_transposed(qkv.weight), qkv_bias=qkv.bias,
-        o_t=_transposed(o.weight), o_bias=o.bias if "bias" in o else None,
-        gate_up_t=_transposed(gate_up.weight), down_t=_transposed(down.weight),
+        qkv=_Proj.of(qkv.weight, qkv.bias), o=_Proj.of(o.weight, o.bias if "bias" in o else None),
+        gate_up=_Proj.of(gate_up.weight), down=_Proj.of(down.weight),
         q_norm=q_norm, k_norm=k_norm, rope=rope,
         n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=head_dim, scale=attn.scale,
     )
