@@ -290,11 +290,12 @@ def split_qkv_rope_store(
 
     In place: MLX arrays are values, and this kernel writes into `pools`, which MLX passes it as read-only
     inputs and still considers unchanged. That is sound only as the decode window uses it
-    (`services.engine.cache.decode_window`): the pools are evaluated, row-contiguous buffers (MLX hands
-    them over uncopied) that their owner keeps alive and no other array shares; every read of the
-    written rows depends on the returned q (the step's attention) or comes in a later evaluation; and
-    nothing evaluated together with this launch reads those rows without such a dependency (MLX
-    orders a graph's kernels only by the data they pass). `stores` admits only layers whose attention is
+    (`services.engine.cache.decode_window`): the pools are row-contiguous buffers (MLX hands them over
+    uncopied; evaluated, or produced earlier in the same graph, as the window's tail copy) that their
+    owner keeps alive and no other array shares; every read of the written rows depends on the
+    returned q (the step's attention) or comes in a later evaluation (the copy back to the main pages
+    does); and nothing evaluated together with this launch reads those rows without such a dependency
+    (MLX orders a graph's kernels only by the data they pass). `stores` admits only layers whose attention is
     the fused CUDA kernel, which takes q.
 
     Args:
@@ -302,7 +303,7 @@ def split_qkv_rope_store(
         fmt (LayerFormat): The layer's format (`stores` must hold).
         key_mean (mx.array | None): float32 [n_kv_heads, 1, head_dim], row-contiguous: compressed keys are
             coded centered on it (`services.engine.cache.centering`); None: as they come (raw: must be None).
-        pools (tuple[mx.array, ...]): raw (K, V) `[R, head_dim]` in qkv's dtype, or (rows,) uint32
+        pools (tuple[mx.array, ...]): raw (K, V) `[R, head_dim]` in qkv's dtype, or (codes,) uint32
             `[R, row_words]`: pool rows `(h * pages + page) * P + slot` (`services.engine.cache.pool_rows`).
         rows (mx.array): int32 [B * n_kv_heads]: the pool row of kv head h of row b at `b * n_kv_heads + h`.
 

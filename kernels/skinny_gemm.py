@@ -37,6 +37,8 @@ _SOURCE = r"""
   // out[m, n] = sum_k x[m, k] * w[n, k]. Block: weight rows n0 .. n0 + 15; warp: K slice [kb, kb + K / W).
   // Lane (g, t) = (lane / 4, lane % 4) loads 16 bytes at k = 8t of each 32-wide chunk of weight rows g and
   // g + 8 and of activation row 8j + g (tile j); step s of the chunk takes words 2s, 2s + 1 of them.
+  // MT 8-row tiles of activations: the dispatch sends one (more re-read them from L2 in every block and
+  // measured slower than cuBLAS; the H200 tests passed up to 8 tiles).
   static_assert(sizeof(T) == 2 && K % (W * 32 * U) == 0, "fp16/bf16, K in whole chunks");
   constexpr int KW = K / W;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;

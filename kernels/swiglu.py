@@ -5,7 +5,7 @@ After the fused gate/up projection (`services.engine.model.fuse`) a Llama-style 
 each costing host time at every decode step (issue 10). Where MLX's CUDA backend is the default
 device, `swiglu_halves` reads both halves in one kernel; elsewhere it runs mlx-lm's `swiglu` on
 the two slices. The kernel computes as MLX's compiled `swiglu` does (its `Sigmoid` functor, each
-step in the input dtype), so the two agree bit for bit.
+step in the input dtype); the H200 tests hold it within 2 ulp of mlx-lm's.
 
 Source: Shazeer, "GLU Variants Improve Transformer" (2020); Elfwing et al., "Sigmoid-Weighted
 Linear Units" (2017).

@@ -65,7 +65,7 @@ def main() -> None:
     seen, calls = [], [0]
     real = runner_module.mx
 
-    class Spy:  # the runner's `mx`, recording the first decode step's graph before it launches
+    class Spy:  # the runner's `mx`, recording the `--step`-th step's graph of the window before it launches
         def __getattr__(self, name):
             return getattr(real, name)
 

@@ -49,7 +49,6 @@ def _both_forwards(model, scheme: str, prompt_lengths=(5, 17, 33)):
     decoder = LeanDecoder.build(model)
     assert decoder is not None
     got = decoder(tokens, lean_caches)
-    assert storage.arrays[0] is not cache.arrays[0]
     written = np.array(batch.layers[0].index.write_rows)  # the pool rows the step wrote
     return (_np(want), _np(cache.arrays[0])), (_np(got), _np(storage.arrays[0])), written
 
@@ -155,18 +154,36 @@ def test_unfused_or_foreign_models_keep_their_own_forward():
         head_dim=32, rms_norm_eps=1e-6, vocab_size=64, num_key_value_heads=1))) is None
 
 
-def test_store_target_is_the_tail_of_a_one_token_forward():
-    """`store_target`: the layer's tail pools and the step's write rows; none without a tail or for a prompt chunk."""
+def test_store_target_is_the_tail_of_a_one_token_forward(monkeypatch):
+    """`store_target`: the layer's tail pools and the step's write rows where the fused CUDA attention reads the
+    format (forced here, as on the H200); none without a tail, for a prompt chunk, or off that kernel."""
+    from services.engine.cache import paged_layers
+
     model = _tiny("llama", tie_word_embeddings=True, head_dim=64)
     for scheme, n_pools in (("raw", 2), ("aura4v4", 1)):
         cache = BatchedKVCache.for_model(model, CacheOptions(scheme=scheme, max_context=256), capacity_tokens=512,
                                          page_size=16, max_slots=4)
         views = [cache.acquire() for _ in range(2)]
         layer = cache.batch(views, 1).layers[1]
-        assert layer.store_target is None  # no tail: update_and_fetch writes the main pools
         tail = cache.storage.with_arrays(cache.arrays)
-        pools, rows = PagedLayerCache(tail, 1, layer.spec, layer.index, tail=tail).store_target
-        assert len(pools) == n_pools and all(p is q for p, q in zip(pools, tail.pools[1]))
-        assert rows is layer.index.write_rows and rows.shape == (2 * 2,) and rows.dtype == mx.int32
-        chunk = cache.batch([cache.acquire()], 5).layers[1]
-        assert PagedLayerCache(tail, 1, chunk.spec, chunk.index, tail=tail).store_target is None  # 5 tokens a row
+        windowed = PagedLayerCache(tail, 1, layer.spec, layer.index, tail=tail)
+        with monkeypatch.context() as patch:
+            patch.setattr(paged_layers, "uses_cuda", lambda fmt: True)
+            assert layer.store_target is None  # no tail: update_and_fetch writes the main pools
+            pools, rows = windowed.store_target
+            assert len(pools) == n_pools and all(p is q for p, q in zip(pools, tail.pools[1]))
+            assert rows is layer.index.write_rows and rows.shape == (2 * 2,) and rows.dtype == mx.int32
+            chunk = cache.batch([cache.acquire()], 5).layers[1]
+            assert PagedLayerCache(tail, 1, chunk.spec, chunk.index, tail=tail).store_target is None  # 5 tokens a row
+            patch.setattr(paged_layers, "uses_cuda", lambda fmt: False)
+            assert windowed.store_target is None  # the MLX-ops attention would not wait for the write
+
+
+def test_flat_attention_takes_one_query_per_row():
+    model = _tiny("llama", tie_word_embeddings=True, head_dim=64)
+    cache = BatchedKVCache.for_model(model, CacheOptions(scheme="raw", max_context=256), capacity_tokens=512,
+                                     page_size=16, max_slots=4)
+    layer = cache.batch([cache.acquire()], 3).layers[0]
+    q = mx.zeros((1, 4, 3, 64))
+    with pytest.raises(ValueError, match="one query per row"):
+        layer.attend(q, None, None, scale=1.0, mask=None, flat=True)

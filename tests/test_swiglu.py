@@ -23,7 +23,7 @@ def test_swiglu_halves_matches_float64_and_mlx_lm(dtype, batch, width):
     x = np.array(h.astype(mx.float32), np.float64)
     gate, up = x[:, :width], x[:, width:]
     want = gate / (1 + np.exp(-gate)) * up
-    # the SiLU and the product each round to the dtype: within 2 ulp of the largest magnitude's scale
+    # the sigmoid's steps, the SiLU and the product each round to the dtype: within 3 ulp of the largest magnitude
     scale = np.abs(want).max()
     np.testing.assert_allclose(np.array(got.astype(mx.float32)) / scale, want / scale, rtol=0, atol=3 * ULP[dtype])
     mlx = np.array(swiglu(h[:, :width], h[:, width:]).astype(mx.float32))

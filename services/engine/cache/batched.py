@@ -5,7 +5,7 @@ layer keeps its pools (`kernels.kv_format`: raw K and V, or one compressed row p
 head), head-major `[n_kv_heads * num_pages * page_size, width]` (`pool_rows`), and one
 `SlotTable` (one allocator, one page table per slot) serves all layers: page `p` names the
 same token positions in every layer. A forward over a set of slots writes its new tokens with one
-scatter per pool and attends through the page tables in place (`kernels.paged_attention`:
+scatter per pool (a lean decode step on CUDA: in place, by its q/k/v kernel) and attends through the page tables in place (`kernels.paged_attention`:
 fused CUDA kernels, or MLX ops over chunks of pages) — no gathered copy of the history, no
 dequantized copy. The indices are built once per forward (numpy), moved to the device in one
 transfer, and shared by all layers with the same window rule.
@@ -270,7 +270,12 @@ class BatchedKVCache:
                                                         tail_rows)
 
     def copy_from_tail(self, plans: Sequence[WindowIndex]) -> None:
-        """Copy a finished window's tail pages back to their pages (in place: nothing may still read them)."""
+        """Copy a finished window's tail pages back to their pages (in place: nothing may still read them).
+
+        Evaluate it apart from the window's steps (the runner does, after waiting for them): a lean CUDA
+        step writes the tail in place (`kernels.qkv_rope.split_qkv_rope_store`), which MLX does not see,
+        so a copy evaluated in the same graph as that step would not be ordered after its write.
+        """
         moves = {w: (mx.array(p.tail_rows), mx.array(p.main_rows)) for w, p in zip(self.windows, plans)}
         for layer, spec in enumerate(self.layers):
             tail_rows, main_rows = moves[spec.window]

@@ -6,8 +6,10 @@ write their new tokens not to the main pools but to *tail pages*: before the win
 row's pages that the window will write (its last, partly filled page and the next ones) are
 copied into tail pages; during the window attention reads the main pages plus those tail
 pages (page ids >= num_pages in the page table name tail pages), and each step's write lands
-in the small tail pool (a copy of it, at worst, costs little); after the window (the engine
-has waited for it), the tail pages are copied back, in place. The host therefore launches
+in the small tail pool (in place, by the q/k/v kernel, in a lean CUDA step:
+`kernels.qkv_rope.split_qkv_rope_store`; else by a scatter, whose copy of the pool, at worst,
+costs little); after the window (the engine has waited for it), the tail pages are copied back,
+in place. The host therefore launches
 step n+1 while step n runs, without ever waiting inside a window.
 
 Everything here is index math in numpy, built once per window for all N steps.

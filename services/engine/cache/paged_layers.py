@@ -15,7 +15,7 @@ import numpy as np
 from kernels.kv_format import LayerFormat
 from kernels.latent_attention import latent_mask, latent_operands
 from kernels.paged_attention import (History, PoolRef, WindowRule, contiguous_attention, decode_attention,
-                                     prefill_attention)
+                                     prefill_attention, uses_cuda)
 
 from . import pool_rows
 from .paged_index import GroupIndex
@@ -156,11 +156,16 @@ class PagedLayerCache(AttendingCache):
     def store_target(self) -> tuple[tuple[mx.array, ...], mx.array] | None:
         """Where a one-token-per-row forward of a decode window may write its new K/V in place: the layer's
         tail pools and the pool rows, int32 [B * n_kv_heads] in (row, kv head) order
-        (`kernels.qkv_rope.split_qkv_rope_store`); None where `update_and_fetch` must be called (prompt
-        chunks, latent layers, forwards without a tail)."""
-        if self.tail is None or self.spec.latent or self.index.num_new != 1 or self.index.write_source is not None:
+        (`kernels.qkv_rope.split_qkv_rope_store`); None where `update_and_fetch` must be called: prompt
+        chunks, latent layers, forwards without a tail, writes picked by a source index, and formats whose
+        decode attention is not the fused CUDA kernel (it takes q, so it runs after the write; the MLX-ops
+        path's page gathers do not)."""
+        index = self.index
+        if self.tail is None or self.spec.latent or index.num_new != 1 or index.write_source is not None:
             return None
-        return self.tail.pools[self.layer], self.index.write_rows
+        if index.read_first or not uses_cuda(self.spec.fmt):
+            return None
+        return self.tail.pools[self.layer], index.write_rows
 
     def _write(self, new: tuple[mx.array, ...]) -> None:
         """Scatter the forward's new pool rows (per pool `[B, H, L, width]`) into its pages (a decode window's: the tail)."""
@@ -184,8 +189,14 @@ class PagedLayerCache(AttendingCache):
 
     def attend(self, queries, keys, values, *, scale: float, mask, sinks=None, flat: bool = False) -> mx.array:
         """Attention of queries [B, n_heads, L, Dk] over the rows' slots: [B, n_heads, L, Dv]; `mask` is ignored
-        (latent: used). `flat`, for one query per row: [B, n_heads * Dv] (the decode kernel writes it so)."""
+        (latent: used). `flat`, for one query per row: [B, n_heads * Dv] (the decode kernel writes it so).
+
+        Raises:
+            ValueError: `flat` with more than one query per row.
+        """
         index, spec = self.index, self.spec
+        if flat and queries.shape[2] != 1:
+            raise ValueError(f"flat output takes one query per row, got {queries.shape[2]}")
         if spec.latent:  # keys and values are what the model derived from update_and_fetch's slots
             out = contiguous_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         elif index.num_new == 1:
