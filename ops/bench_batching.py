@@ -131,14 +131,24 @@ def profile_decode(loaded: LoadedModel, batch: int, context: int, page_size: int
 
 
 def step_breakdown(loaded: LoadedModel, batch: int, page_size: int, steps: int = 12) -> dict:
-    """Where the engine's decode step goes (ms per step): each phase timed by wrapping the engine's own calls."""
+    """Where the engine's decode step goes (ms per step): each phase timed by wrapping the engine's own calls.
+
+    The same requests run twice on one engine, the second time timed: the first traces the decode step at
+    every page-table width the rows grow through and compiles those shapes' kernels (the likely cause of
+    two H200 breakdowns' 9-11 ms steps at batch 8).
+    """
     from services.engine import runner as runner_module
 
     max_tokens = page_size * (steps + 6)
     core = EngineCore(loaded, CacheOptions(max_context=4096), capacity_tokens=batch * (64 + max_tokens + 2 * page_size),
                       max_slots=batch, step_token_budget=max(512, batch), page_size=page_size)
-    for i, prompt in enumerate(prompts_for(batch, loaded.config.get("vocab_size", 32000), seed=1)):
-        core.add_request(Request(str(i), prompt, SamplingParams(max_tokens=max_tokens)))
+    prompts = prompts_for(batch, loaded.config.get("vocab_size", 32000), seed=1)
+    for round_ in ("warm", "timed"):
+        for i, prompt in enumerate(prompts):
+            core.add_request(Request(f"{round_}{i}", prompt, SamplingParams(max_tokens=max_tokens)))
+        if round_ == "warm":
+            while core.has_unfinished():
+                core.step()
     for _ in range(4):  # past the prefills: every step is a decode window
         core.step()
     spent: dict[str, float] = {}
