@@ -84,18 +84,19 @@ _SOURCE = r"""
     }
   }
 """
-_PASS = {"VALUE_OUT": """T* dst = vo + ((size_t)b * KV + (j - H - KV)) * D;
+def _direct(key_row: str, value_row: str) -> dict[str, str]:
+    """`_SOURCE`'s markers for keys and values written as they are, at the given row pointers."""
+    return {"VALUE_OUT": f"""T* dst = {value_row};
     dst[i] = src[i];
     dst[i + NT] = src[i + NT];
-    return;  // no barrier below is reached by a value block""",
-         "KEY_OUT": "ko + ((size_t)b * KV + (j - H)) * D"}
+    return;  // no barrier below is reached by a value block""", "KEY_OUT": key_row}
+
+
+_PASS = _direct("ko + ((size_t)b * KV + (j - H)) * D", "vo + ((size_t)b * KV + (j - H - KV)) * D")
 # In place: a raw layer's key and value go straight into their pool rows `wrows[b * KV + h]` (inputs that
 # MLX passes as const: see `split_qkv_rope_store` for why writing them is sound).
-_STORE_RAW = {"VALUE_OUT": """T* dst = const_cast<T*>(vpool) + (size_t)wrows[b * KV + (j - H - KV)] * D;
-    dst[i] = src[i];
-    dst[i + NT] = src[i + NT];
-    return;""",
-              "KEY_OUT": "const_cast<T*>(kpool) + (size_t)wrows[b * KV + (j - H)] * D"}
+_STORE_RAW = _direct("const_cast<T*>(kpool) + (size_t)wrows[b * KV + (j - H)] * D",
+                     "const_cast<T*>(vpool) + (size_t)wrows[b * KV + (j - H - KV)] * D")
 _CODE = {"VALUE_OUT": "y[i] = a;\n    y[i + NT] = c;", "KEY_OUT": "nullptr"}
 
 # `_SOURCE` with ENC: key and value blocks then code their vector into its pool row: warp 0 (D >= 64,
@@ -315,9 +316,6 @@ def split_qkv_rope_store(
             dtype; a key mean for a raw layer.
     """
     batch, heads = _check(qkv, n_heads, n_kv_heads, head_dim, offset, q_norm, k_norm)
-    if not stores(fmt, head_dim, rope, qkv.dtype):
-        raise ValueError(f"the in-place q/k/v kernel serves CUDA, raw pools in the activations' dtype or compressed "
-                         f"regular formats of head_dim >= 64; got {fmt} at head_dim {head_dim}, {qkv.dtype}")
     want = [(qkv.dtype, head_dim)] * 2 if fmt.is_raw else [(mx.uint32, fmt.row_words)]
     if [(p.dtype, p.shape[1] if p.ndim == 2 else None) for p in pools] != want:
         raise ValueError(f"pools must be {len(want)} of [R, width] (dtype, width) {want}, got "
@@ -326,6 +324,9 @@ def split_qkv_rope_store(
         raise ValueError(f"rows must be int32 [{batch * n_kv_heads}], got {rows.dtype} {rows.shape}")
     if fmt.is_raw and key_mean is not None:
         raise ValueError("raw layers store keys as they come: no key mean")
+    if not stores(fmt, head_dim, rope, qkv.dtype):
+        raise ValueError(f"the in-place q/k/v kernel serves CUDA, raw pools in the activations' dtype or compressed "
+                         f"regular formats of head_dim >= 64; got {fmt} at head_dim {head_dim}, {qkv.dtype}")
     inputs, template = _rope_args(qkv, n_heads, n_kv_heads, head_dim, rope, offset, q_norm, k_norm)
     out = dict(grid=(batch * heads * (head_dim // 2), 1, 1), threadgroup=(head_dim // 2, 1, 1),
                output_shapes=[(batch, n_heads, 1, head_dim)], output_dtypes=[qkv.dtype])

@@ -11,7 +11,6 @@ from kernels import cuda_kv
 from kernels.skinny_gemm import MAX_ROWS, serves, skinny_matmul
 
 ON_CUDA = cuda_kv.is_available()
-ULP = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the kernel needs MLX's CUDA backend; run on the H200")
@@ -19,6 +18,7 @@ ULP = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
 @pytest.mark.parametrize("rows", [2, 3, 5, 8])
 @pytest.mark.parametrize("k, n", [(256, 16), (768, 48), (2048, 3072), (8192, 2048)])
 def test_skinny_matmul_matches_float64_and_mlx(dtype, rows, k, n):
+    eps = mx.finfo(dtype).eps  # one ulp at 1.0
     rng = np.random.default_rng(rows * 7 + k + n)
     x = mx.array(rng.standard_normal((rows, k)), dtype)
     w = mx.array(rng.standard_normal((n, k)) / np.sqrt(k), dtype)
@@ -28,10 +28,10 @@ def test_skinny_matmul_matches_float64_and_mlx(dtype, rows, k, n):
     want = xf @ wf.T
     # float32 sums of exact products, rounded once to the dtype: half an ulp of each output, plus the float32 sum's
     # error (K terms; 2^-22 each of sum |x w|, room for tensor cores that truncate rather than round)
-    bound = 0.5 * ULP[dtype] * np.abs(want) + k * 2.0**-22 * (np.abs(xf) @ np.abs(wf).T) + 1e-30
+    bound = 0.5 * eps * np.abs(want) + k * 2.0**-22 * (np.abs(xf) @ np.abs(wf).T) + 1e-30
     np.testing.assert_array_less(np.abs(np.array(got.astype(mx.float32), np.float64) - want), bound * 1.01)
     mlx = np.array((x @ w.T).astype(mx.float32))  # cuBLAS: its own order, the same rounding
-    np.testing.assert_allclose(np.array(got.astype(mx.float32)), mlx, rtol=ULP[dtype], atol=ULP[dtype] * np.abs(mlx).max())
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), mlx, rtol=eps, atol=eps * np.abs(mlx).max())
 
 
 def test_serves_a_few_rows_of_half_types_in_whole_tiles_on_cuda_only():
