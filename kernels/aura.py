@@ -212,12 +212,16 @@ def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> Aura
     gains = len(GAINS)
     flat = u.reshape(-1, head_dim)
     cell = _cells_of(bits, flat)  # [N, d]: one search for every gain at once
-    centroids = mx.take_along_axis(centroids_by_cell[None], mx.broadcast_to(cell[..., None], (*cell.shape, gains)),
-                                   axis=1).reshape(*u.shape, gains)  # [..., d, gains]
+    # Every lookup below gathers along axis 1 of a one-row table with all indices in one row: a table
+    # broadcast to every vector counts as vectors x cells elements, over 2^31 for 9- and 10-bit codes at
+    # 66,000 vectors, where MLX's CUDA backend (0.32.4) returned zero centroids (infinite scales).
+    by_gain = mx.broadcast_to(cell.reshape(1, -1, 1), (1, cell.size, gains))
+    centroids = mx.take_along_axis(centroids_by_cell[None], by_gain, axis=1).reshape(*u.shape, gains)
     dot = mx.sum(centroids * u[..., None], axis=-2)  # [..., gains] (not a matmul: CUDA's would round to TF32)
     energy = mx.sum(centroids * centroids, axis=-2)
     best = mx.argmax(dot * mx.abs(dot) / energy, axis=-1, keepdims=True)  # [..., 1]
-    index = mx.take_along_axis(index_by_cell[None], cell * gains + best.reshape(-1, 1).astype(mx.uint32), axis=1)
+    index = mx.take_along_axis(index_by_cell[None], (cell * gains + best.reshape(-1, 1).astype(mx.uint32)).reshape(1, -1),
+                               axis=1)
     scale = norm / mx.sqrt(mx.take_along_axis(energy, best, axis=-1))
     return AuraCodes(pack_bits(index.reshape(u.shape), bits), scale.astype(SCALE_DTYPE))
 
@@ -234,16 +238,18 @@ def _cells_of(bits: int, u: mx.array) -> mx.array:
     """uint32 `[N, d]`: how many of the gain cells' edges lie below each element of float32 `u` `[N, d]`.
 
     A branchless binary search: `log2` steps of one `take_along_axis` probe each, which the CPU
-    backend runs 2.5-4x faster than `mx.searchsorted` (equal results: the count of edges < u).
+    backend runs 2.5-4x faster than `mx.searchsorted` (equal results: the count of edges < u). The probes
+    gather from the one-row table with every index in one row (see `aura_encode`: never a broadcast table).
     """
     edges = _padded_edges(bits)
-    cell = mx.zeros(u.shape, mx.uint32)
+    cell = mx.zeros((1, u.size), mx.uint32)
+    flat = u.reshape(1, -1)
     step = edges.shape[1] // 2
     while step:
         probe = mx.take_along_axis(edges, cell + (step - 1), axis=1)
-        cell = cell + step * (probe < u).astype(mx.uint32)
+        cell = cell + step * (probe < flat).astype(mx.uint32)
         step //= 2
-    return cell
+    return cell.reshape(u.shape)
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kernels.aura import GAINS, aura_codebook, gain_cells
+from kernels.aura import GAINS, aura_codebook
+from kernels.lloyd_max import lloyd_max_thresholds
 from kernels.cuda_mma import MMA_HEADER, PARTIAL_MMA
 from kernels.cuda_source import COMBINE, ENCODE, PARTIAL, compact, kernel_header
 from kernels.kv_format import AFFINE, AURA, RAW, LayerFormat, PartFormat
@@ -35,8 +36,6 @@ def is_available() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
-_PARTIAL_IO = dict(input_names=["q", "kp", "vp", "kt", "vt", "pt", "lens", "cb", "qsign"],
-                   output_names=["o_part", "ml_part"])  # both partial kernels'
 
 
 def custom_kernel(name: str, source: str, header: str = "", **io):
@@ -54,14 +53,24 @@ def custom_kernel(name: str, source: str, header: str = "", **io):
 @functools.cache
 def _kernels() -> dict:
     return {
-        "encode": custom_kernel("bm_kv_encode", ENCODE, input_names=["k", "v", "ksign", "vsign", "kedges", "kcents",
-                                                                   "kindex", "vedges", "vcents", "vindex", "kmean"],
+        "encode": custom_kernel("bm_kv_encode", ENCODE, input_names=["k", "v", "codec", "kmean"],
                                 output_names=["out"], ensure_row_contiguous=False),
-        "partial": custom_kernel("bm_paged_decode_partial", PARTIAL, **_PARTIAL_IO),
-        "partial_mma": custom_kernel("bm_paged_decode_mma", PARTIAL_MMA, MMA_HEADER, **_PARTIAL_IO),
         "combine": custom_kernel("bm_paged_decode_combine", COMBINE,
                                  input_names=["o_part", "ml_part", "sinks", "vsign"], output_names=["out"]),
     }
+
+
+@functools.cache
+def _partial_kernel(mma: bool, coded: bool):
+    """A partial kernel (`PARTIAL`, or `PARTIAL_MMA` on the tensor cores). Coded: one pool and one tail pool
+    (K and V share a row), the other inputs as raw's: every input costs host time at each launch."""
+    name, source, header = ("bm_paged_decode_mma", PARTIAL_MMA, MMA_HEADER) if mma else ("bm_paged_decode_partial",
+                                                                                          PARTIAL, "")
+    pools = ["kp", "kt"] if coded else ["kp", "vp", "kt", "vt"]
+    if coded:  # values are read from the keys' rows
+        name, source = name + "_coded", "const RT* vp = kp;\nconst RT* vt = kt;\n" + source
+    return custom_kernel(name, source, header, input_names=["q", *pools, "pt", "lens", "cb"],
+                         output_names=["o_part", "ml_part"])
 
 
 @functools.cache
@@ -70,20 +79,34 @@ def _constant(values: tuple, dtype: mx.Dtype) -> mx.array:
 
 
 @functools.cache
-def _codebooks(fmt: LayerFormat) -> mx.array:
-    """AURA centroids, float32 [512]: keys at 0, values at 256 (zeros where unused)."""
-    cb = np.zeros(512, np.float32)
+def _attention_constants(fmt: LayerFormat, head_dim: int) -> mx.array:
+    """The partial kernels' constants, float32 [512 + head_dim]: AURA centroids (keys at 0, values at 256,
+    zeros where unused), then the keys' rotation signs (ones where keys are not AURA)."""
+    cb = np.zeros(512 + head_dim, np.float32)
     for offset, part in ((0, fmt.key), (256, fmt.value)):
         if part.kind == AURA:
             cb[offset : offset + (1 << part.bits)] = np.array(aura_codebook(part.bits))
+    cb[512:] = np.array(_signs(fmt.key, head_dim)) if fmt.key.kind == AURA else 1.0
     return mx.array(cb)
 
 
-def _cells(part: PartFormat) -> tuple[mx.array, mx.array, mx.array]:
-    """The encoder's gain cells of an AURA part (`kernels.aura.gain_cells`); placeholders otherwise."""
-    if part.kind == AURA:
-        return gain_cells(part.bits)
-    return _constant((0.0,), mx.float32), _constant((0.0,), mx.float32), _constant((0,), mx.uint32)
+def search_table(bits: int) -> np.ndarray:
+    """An AURA part's table for the encoder's gain search (`encode_part` in `kernels.cuda_source`), float32
+    [2 * 2^bits + len(GAINS)]: the 2^bits - 1 Lloyd-Max thresholds padded with +inf (a binary search of
+    `bits` probes), the 2^bits centroids, the gains (`kernels.aura.GAINS`, as float32)."""
+    thresholds = np.append(np.array(lloyd_max_thresholds(bits), np.float32), np.float32(np.inf))
+    return np.concatenate([thresholds, np.array(aura_codebook(bits), np.float32), np.array(GAINS, np.float32)])
+
+
+@functools.cache
+def codec_constants(fmt: LayerFormat, head_dim: int) -> mx.array:
+    """The encoder's constants of a layer, float32 [2 * head_dim + KT + VT]: the key's rotation signs, the
+    value's (ones where a part is not AURA), then each AURA part's `search_table` (KT, VT floats: none for
+    an affine part)."""
+    parts = [np.array(_signs(fmt.key, head_dim) if fmt.key.kind == AURA else np.ones(head_dim), np.float32),
+             np.array(_signs(fmt.value, head_dim) if fmt.value.kind == AURA else np.ones(head_dim), np.float32)]
+    parts += [search_table(p.bits) for p in (fmt.key, fmt.value) if p.kind == AURA]
+    return mx.array(np.concatenate(parts))
 
 
 def _signs(part: PartFormat, head_dim: int) -> mx.array:
@@ -133,16 +156,13 @@ def encode_rows(fmt: LayerFormat, keys: mx.array, values: mx.array, key_mean: mx
 
 
 def encoder_args(fmt: LayerFormat, head_dim: int, key_mean: mx.array | None) -> tuple[list, list]:
-    """The constant inputs (after K and V) and template arguments (after `T`) of a kernel that codes K/V rows
-    with `encode_part` (`ENCODE`, and `kernels.qkv_rope`'s fused kernel): rotation signs, gain cells, the key
-    mean (or a placeholder), widths and the row layout."""
-    k_cells, v_cells = _cells(fmt.key), _cells(fmt.value)
+    """The inputs after K and V (`codec_constants`, the key mean or a placeholder) and the template arguments
+    after `T` (widths, the row layout) of a kernel that codes K/V rows with `encode_part` (`ENCODE`, and
+    `kernels.qkv_rope`'s fused kernel)."""
     odd = (fmt.key_meta_halves + fmt.value_meta_halves) % 2
-    inputs = [_signs(fmt.key, head_dim), _signs(fmt.value, head_dim), *k_cells, *v_cells,
-              _constant((0.0,), mx.float32) if key_mean is None else key_mean]
+    inputs = [codec_constants(fmt, head_dim), _constant((0.0,), mx.float32) if key_mean is None else key_mean]
     template = [("D", head_dim), *_part_args("K", fmt.key), *_part_args("V", fmt.value), *_layout_args(fmt),
-                ("PADMETA", bool(odd)), ("CENTER", key_mean is not None), ("NG", len(GAINS)),
-                ("KNE", k_cells[0].size), ("VNE", v_cells[0].size)]
+                ("PADMETA", bool(odd)), ("CENTER", key_mean is not None), ("NG", len(GAINS))]
     return inputs, template
 
 
@@ -235,8 +255,6 @@ def decode_attention(
     group = n_heads // n_kv_heads
     if tails is None:  # a placeholder row: no page id names it (ids past the pool's pages name tail pages)
         tails = tuple(_dummy(p.dtype, p.shape[1]) for p in pools)
-    kp, vp = (pools[0], pools[1]) if fmt.is_raw else (pools[0], pools[0])
-    kt, vt = (tails[0], tails[1]) if fmt.is_raw else (tails[0], tails[0])
     if not fmt.is_regular:
         raise ValueError(f"the CUDA kernels take regular formats only (kernels.paged_attention.uses_cuda), got {fmt}")
     tuning = tuning or default_tuning(fmt, batch * n_kv_heads)
@@ -252,15 +270,15 @@ def decode_attention(
               *_layout_args(fmt), ("ROTATE", rotate), ("QSCALE", _float_bits(q_scale))]
     mma = _mma_staging(fmt, queries.dtype, group, page_size, per_split, tuning) if tuning.mma else None
     if mma is not None:
-        name, template, warps = "partial_mma", common + mma, tuning.warps
+        template, warps = common + mma, tuning.warps
     else:
         lanes, warps = _lanes_and_warps(fmt, group, tuning)
         staging = _staging(fmt, group, page_size, per_split, warps * (32 // lanes) * tuning.unroll, tuning)
-        name = "partial"
         template = common + [("LPT", lanes), ("W", warps), ("U", tuning.unroll), ("QREG", tuning.query_in_registers),
                              ("PREFETCH", tuning.prefetch), *staging]
-    o_part, ml_part = _kernels()[name](
-        inputs=[queries, kp, vp, kt, vt, page_table, lengths, _codebooks(fmt), _signs(fmt.key, head_dim)],
+    pool_inputs = [pools[0], pools[1], tails[0], tails[1]] if fmt.is_raw else [pools[0], tails[0]]
+    o_part, ml_part = _partial_kernel(mma is not None, not fmt.is_raw)(
+        inputs=[queries, *pool_inputs, page_table, lengths, _attention_constants(fmt, head_dim)],
         template=template,
         grid=(splits * 32 * warps, n_kv_heads, batch),
         threadgroup=(32 * warps, 1, 1),

@@ -277,22 +277,25 @@ __device__ __forceinline__ void merge_states(const float* sm_m, const float* sm_
   }
 }
 
+// Floats of a part's search table (`encode_part`): AURA, 2^BITS thresholds (padded) and centroids, NG gains.
+__host__ __device__ constexpr int table_floats(int mode, int bits, int ng) { return mode == 2 ? (2 << bits) + ng : 0; }
+
 // Codes one part (K or V) of one vector held by a warp, lane j holding dims [j * E, j * E + E) of x
 // (E = D / 32, or 1 with D lanes when D < 32; other lanes hold zeros). AURA: sign flips, a
-// Walsh-Hadamard rotation, then the gain search over the part's cells (`edges` [ne], best in shared
-// memory; `cents`, `index`: `kernels.aura.gain_cells`); affine: MLX's CPU rule. Writes the
-// D * BITS / 32 code words and the meta halves (affine: D / GS scales, then D / GS biases; AURA: the
-// scale). `sidx` [D]: the warp's scratch. Every lane of the warp must call it.
+// Walsh-Hadamard rotation, then the gain search over the part's search table `tab` (in shared memory,
+// `kernels.cuda_kv.search_table`: NC = 2^BITS thresholds padded with +inf, NC centroids, NG gains);
+// affine: MLX's CPU rule. Writes the D * BITS / 32 code words and the meta halves (affine: D / GS
+// scales, then D / GS biases; AURA: the scale). `sidx` [D]: the warp's scratch. Every lane of the warp
+// must call it.
 template <int MODE, int BITS, int GS, int D, int NG>
 __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], int lane, const float* sign,
-                                            const float* edges, int ne, const float* cents,
-                                            const uint32_t* index, uint32_t* sidx, uint32_t* codes,
-                                            __half* meta) {
+                                            const float* tab, uint32_t* sidx, uint32_t* codes, __half* meta) {
   constexpr int E = D >= 32 ? D / 32 : 1;  // dims per lane
   constexpr int LANES = D / E;              // lanes holding dims
   const bool live = lane < LANES;
   uint32_t q[E];
   if constexpr (MODE == 2) {  // AURA
+    constexpr int NC = 1 << BITS;
     float ss = 0.f;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
@@ -303,26 +306,26 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
     const float norm = sqrtf(ss);
-    // Gain search (kernels.aura): one search over the part's cells (edges where some gain's code
-    // changes) gives every gain's code of u; the vector keeps the gain whose codes are closest
-    // in angle to u (the first on a tie). Every gain's loads are independent, and xor
-    // reductions leave every lane the same sums, so all lanes agree on the gain.
-    int cell[E];
+    // Gain search (kernels.aura): gain g's code of u is the count of thresholds t with float32(t * g) < u
+    // (ties go to the lower cell; the edges of `kernels.aura.gain_cells`), a branchless binary search of
+    // BITS probes; the 9 gains' searches are independent, so their probes are in flight together. The
+    // vector keeps the gain whose codes are closest in angle to u (the first on a tie); xor reductions
+    // leave every lane the same sums, so all lanes agree on the gain.
+    uint32_t code[NG][E];
     float cu[NG], cc[NG];
 #pragma unroll
     for (int g = 0; g < NG; ++g) { cu[g] = 0.f; cc[g] = 0.f; }
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       x[e] = norm > 0.f ? x[e] / norm : 0.f;  // u = sqrt(D) * (H s x / sqrt(D)) / |x|
-      int lo = 0, hi = ne;  // count of edges < u (ties go to the lower cell)
-      while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (edges[mid] < x[e]) lo = mid + 1; else hi = mid;
-      }
-      cell[e] = lo;
 #pragma unroll
       for (int g = 0; g < NG; ++g) {
-        const float c = live ? cents[lo * NG + g] : 0.f;
+        const float gain = tab[2 * NC + g];
+        int pos = 0;
+#pragma unroll
+        for (int step = NC / 2; step > 0; step >>= 1) pos += tab[pos + step - 1] * gain < x[e] ? step : 0;
+        code[g][e] = pos;
+        const float c = live ? tab[NC + pos] : 0.f;
         cu[g] = fmaf(c, x[e], cu[g]);
         cc[g] = fmaf(c, c, cc[g]);
       }
@@ -343,7 +346,11 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
       if (score > best_score) { best = g; best_score = score; best_cc = cc[g]; }
     }
 #pragma unroll
-    for (int e = 0; e < E; ++e) q[e] = index[cell[e] * NG + best];
+    for (int e = 0; e < E; ++e) {
+      q[e] = code[0][e];
+#pragma unroll
+      for (int g = 1; g < NG; ++g) q[e] = g == best ? code[g][e] : q[e];  // registers, not a local array
+    }
     if (lane == 0) meta[0] = __float2half(norm / sqrtf(best_cc));
   } else {  // affine, MLX's CPU rule (mlx/backend/cpu/quantized.cpp `quantize`)
     float lo = INFINITY, hi = -INFINITY;
@@ -387,29 +394,29 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
 }
 """
 
-# Inputs: k, v [..., D] (strided), ksign, vsign float [D], per AURA part its gain cells
-# (`kernels.aura.gain_cells`: edges float [KNE], centroids float [(KNE + 1) * NG], code index
-# uint32 [(KNE + 1) * NG]; affine parts get placeholders), kmean float [H * D] (with CENTER:
-# subtracted from every key first, `services.engine.cache.centering`). Output rows uint32 [N, ROWW].
+# Inputs: k, v [..., D] (strided), codec float [2 D + KT + VT] (`kernels.cuda_kv.codec_constants`: key
+# signs, value signs, then each AURA part's search table), kmean float [H * D] (with CENTER: subtracted
+# from every key first, `services.engine.cache.centering`). Output rows uint32 [N, ROWW].
 # One warp per part (K or V) of vector n = ((b * H) + h) * L + l: warp 2n codes the key, 2n + 1
 # the value, so the two searches run side by side (a decode step encodes a few vectors, and its
 # latency is one part's, not two). Lane j holds dims [j * E, j * E + E) (E = D / 32, or 1 with D
 # lanes when D < 32). Reductions and the Walsh-Hadamard butterflies across lanes are warp
-# shuffles; the one block barrier follows the staging of the cell edges, before any warp leaves.
+# shuffles; the one block barrier follows the staging of the search tables, before any warp leaves.
 ENCODE = r"""
   constexpr int E = D >= 32 ? D / 32 : 1;  // dims per lane
   constexpr int LANES = D / E;              // lanes holding dims
+  constexpr int KT = table_floats(KMODE, KBITS, NG), VT = table_floats(VMODE, VBITS, NG);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int gw = blockIdx.x * (blockDim.x / 32) + warp, n = gw / 2;
   const bool is_key = gw % 2 == 0;  // warp-uniform: warp 2n codes vector n's key, 2n + 1 its value
   const int H = k_shape[1], L = k_shape[2];
-  // Both parts' cell edges in shared memory: the binary search below then waits on no global load.
+  // Both parts' search tables in shared memory: the binary searches below then wait on no global load.
   // Unrolled (EW warps a block), so a thread's loads are all in flight before its first store.
-  __shared__ float sedges[KNE + VNE];
+  __shared__ float stab[KT + VT > 0 ? KT + VT : 1];
 #pragma unroll
-  for (int j = 0; j < (KNE + VNE + 32 * EW - 1) / (32 * EW); ++j) {
+  for (int j = 0; j < (KT + VT + 32 * EW - 1) / (32 * EW); ++j) {
     const int i = threadIdx.x + j * 32 * EW;
-    if (i < KNE + VNE) sedges[i] = i < KNE ? kedges[i] : vedges[i - KNE];
+    if (i < KT + VT) stab[i] = codec[2 * D + i];
   }
   __syncthreads();
   if (n >= k_shape[0] * H * L) return;  // no block barrier follows: warps leave independently
@@ -429,10 +436,9 @@ ENCODE = r"""
     if (CENTER && is_key && live) x[e] -= kmean[h * D + d];
   }
   if (is_key) {
-    encode_part<KMODE, KBITS, KGS, D, NG>(x, lane, ksign, sedges, KNE, kcents, kindex, sidx, row, meta);
+    encode_part<KMODE, KBITS, KGS, D, NG>(x, lane, codec, stab, sidx, row, meta);
   } else {
-    encode_part<VMODE, VBITS, VGS, D, NG>(x, lane, vsign, sedges + KNE, VNE, vcents, vindex, sidx, row + KWORDS,
-                                          meta + KMH);
+    encode_part<VMODE, VBITS, VGS, D, NG>(x, lane, codec + D, stab + KT, sidx, row + KWORDS, meta + KMH);
   }
   if (PADMETA && !is_key && lane == 0) meta[KMH + VMH] = __float2half(0.f);
 """
@@ -459,7 +465,7 @@ PARTIAL = r"""
   __shared__ float qs[G * D];
   __shared__ int pids[MAXPG], live;  // the split's page ids: a K/V load then waits on no global read
   __shared__ __align__(16) unsigned char smem[SMEM];  // NS stages of K/V rows, then the merge's rows
-  stage_block<T, float, D, G, KCB, VCB, MAXPG, 32 * W, ROTATE>(q + ((size_t)(b * Hkv + h) * G) * D, qsign,
+  stage_block<T, float, D, G, KCB, VCB, MAXPG, 32 * W, ROTATE>(q + ((size_t)(b * Hkv + h) * G) * D, cb + 512,
                                                               __int_as_float(QSCALE), cb, pt + (size_t)b * NP + pg0,
                                                               min(tps / P, NP - pg0), lens + b, qs, cbs, pids, &live);
   __syncthreads();

@@ -40,6 +40,7 @@ _SOURCE = r"""
   const bool is_q = j < H, is_k = !is_q && j < H + KV;
   const T* src = qkv + (size_t)n * D;
   float a = static_cast<float>(src[i]), c = static_cast<float>(src[i + NT]);
+  PROLOGUE
   __shared__ float x[D];
   __shared__ float ss[NT];
   __shared__ float y[ENC ? D : 1];  // ENC: this key's or value's elements, as rounded to T, to be coded
@@ -86,7 +87,7 @@ _SOURCE = r"""
 """
 def _direct(key_row: str, value_row: str) -> dict[str, str]:
     """`_SOURCE`'s markers for keys and values written as they are, at the given row pointers."""
-    return {"VALUE_OUT": f"""T* dst = {value_row};
+    return {"PROLOGUE": "", "VALUE_OUT": f"""T* dst = {value_row};
     dst[i] = src[i];
     dst[i + NT] = src[i + NT];
     return;  // no barrier below is reached by a value block""", "KEY_OUT": key_row}
@@ -97,7 +98,21 @@ _PASS = _direct("ko + ((size_t)b * KV + (j - H)) * D", "vo + ((size_t)b * KV + (
 # MLX passes as const: see `split_qkv_rope_store` for why writing them is sound).
 _STORE_RAW = _direct("const_cast<T*>(kpool) + (size_t)wrows[b * KV + (j - H)] * D",
                      "const_cast<T*>(vpool) + (size_t)wrows[b * KV + (j - H - KV)] * D")
-_CODE = {"VALUE_OUT": "y[i] = a;\n    y[i + NT] = c;", "KEY_OUT": "nullptr"}
+# Coded: a key or value block stages its part's search table (`kernels.cuda_kv.codec_constants`) beside its
+# q/k/v loads, so both wait one memory latency together, then leaves its rotated vector in `y` for `_ENCODE`.
+_CODE = {"VALUE_OUT": "y[i] = a;\n    y[i + NT] = c;", "KEY_OUT": "nullptr", "PROLOGUE": r"""
+  constexpr int KT = table_floats(KMODE, KBITS, NG), VT = table_floats(VMODE, VBITS, NG);
+  constexpr int TMAX = KT > VT ? KT : VT;
+  __shared__ float stab[TMAX > 0 ? TMAX : 1];
+  if (!is_q) {  // block-uniform
+    const int nt = is_k ? KT : VT;
+    const float* tab = codec + 2 * D + (is_k ? 0 : KT);
+#pragma unroll
+    for (int u = 0; u < (TMAX + NT - 1) / NT; ++u) {  // unrolled: a thread's loads fly together
+      const int t = i + u * NT;
+      if (t < nt) stab[t] = tab[t];
+    }
+  }"""}
 
 # `_SOURCE` with ENC: key and value blocks then code their vector into its pool row: warp 0 (D >= 64,
 # so D / 2 >= 32 threads) holds dims [lane * E, lane * E + E) of `y` (E = D / 32), subtracts the key mean
@@ -105,16 +120,7 @@ _CODE = {"VALUE_OUT": "y[i] = a;\n    y[i + NT] = c;", "KEY_OUT": "nullptr"}
 # values: a key and a value of one row are coded by two blocks into disjoint words and halves.
 _ENCODE = r"""
   if (is_q) return;  // block-uniform: no barrier follows for a query block
-  constexpr int MAXNE = KNE > VNE ? KNE : VNE;
-  __shared__ float sedges[MAXNE];
-  const int ne = is_k ? KNE : VNE;
-  const float* edges = is_k ? kedges : vedges;
-#pragma unroll
-  for (int u = 0; u < (MAXNE + NT - 1) / NT; ++u) {  // unrolled: a thread's loads fly together
-    const int t = i + u * NT;
-    if (t < ne) sedges[t] = edges[t];
-  }
-  __syncthreads();  // y and the cell edges staged
+  __syncthreads();  // y and the search table staged
   if (i >= 32) return;
   constexpr int E = D / 32;
   const int h = is_k ? j - H : j - H - KV;
@@ -129,9 +135,9 @@ _ENCODE = r"""
   uint32_t* row = const_cast<uint32_t*>(pool) + (size_t)wrows[b * KV + h] * ROWW;  // in place
   __half* meta = reinterpret_cast<__half*>(row + MOFF);
   if (is_k) {
-    encode_part<KMODE, KBITS, KGS, D, NG>(xe, i, ksign, sedges, KNE, kcents, kindex, sidx, row, meta);
+    encode_part<KMODE, KBITS, KGS, D, NG>(xe, i, codec, stab, sidx, row, meta);
   } else {
-    encode_part<VMODE, VBITS, VGS, D, NG>(xe, i, vsign, sedges, VNE, vcents, vindex, sidx, row + KWORDS, meta + KMH);
+    encode_part<VMODE, VBITS, VGS, D, NG>(xe, i, codec + D, stab, sidx, row + KWORDS, meta + KMH);
     if (PADMETA && i == 0) meta[KMH + VMH] = __float2half(0.f);
   }
 """
@@ -194,8 +200,7 @@ def _store_kernel(coded: bool):
                                      input_names=[*_ROPE_INPUTS, "kpool", "vpool", "wrows"], output_names=["qo"])
     return cuda_kv.custom_kernel(
         "bm_qkv_rope_encode", _source(_CODE) + _ENCODE,
-        input_names=[*_ROPE_INPUTS, "pool", "wrows", "ksign", "vsign", "kedges", "kcents", "kindex", "vedges", "vcents",
-                     "vindex", "kmean"],
+        input_names=[*_ROPE_INPUTS, "pool", "wrows", "codec", "kmean"],
         output_names=["qo"])
 
 

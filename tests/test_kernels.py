@@ -572,6 +572,31 @@ def test_gain_cells_give_every_gains_nearest_centroid(bits):
     np.testing.assert_allclose(centroids, np.array(lloyd_max_codebook(bits))[want], rtol=1e-6)
 
 
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_search_table_probes_find_each_gains_cell_code(bits):
+    """The CUDA encoder's search (`encode_part`: `bits` branchless probes of `float32(t * g) < u` over the
+    padded thresholds of `search_table`) gives each gain the code `gain_cells` assigns to u's cell, and the
+    table's centroid there is that cell's. Checked here in NumPy float32 on random and on edge points."""
+    from kernels.cuda_kv import search_table
+
+    table, n = search_table(bits), 1 << bits
+    assert table.dtype == np.float32 and table.shape == (2 * n + len(GAINS),) and table[n - 1] == np.inf
+    edges, centroids, index = (np.array(a) for a in gain_cells(bits))
+    u = np.concatenate([np.random.default_rng(bits).standard_normal(20_000).astype(np.float32) * 1.5, edges,
+                        np.nextafter(edges, np.float32(np.inf)), np.nextafter(edges, np.float32(-np.inf))])
+    cell = np.searchsorted(edges, u, side="left")  # count of edges < u
+    for g in range(len(GAINS)):
+        gain = table[2 * n + g]
+        assert gain == np.float32(GAINS[g])
+        pos = np.zeros(u.shape, np.int64)
+        step = n // 2
+        while step:
+            pos += np.where(table[pos + step - 1] * gain < u, step, 0)
+            step //= 2
+        np.testing.assert_array_equal(pos, index.reshape(-1, len(GAINS))[cell, g])
+        np.testing.assert_array_equal(table[n + pos], centroids[cell, g])
+
+
 def test_aura_zero_vector_decodes_to_zero():
     rotation = RandomizedHadamard(64, seed=0)
     codes = aura_encode(mx.zeros((1, 1, 2, 64), dtype=mx.float16), bits=4, rotation=rotation)
