@@ -19,7 +19,7 @@ import numpy as np
 from kernels.aura import GAINS, aura_codebook
 from kernels.lloyd_max import lloyd_max_thresholds
 from kernels.cuda_mma import MMA_HEADER, PARTIAL_MMA
-from kernels.cuda_source import ENCODE, PARTIAL, compact, kernel_header
+from kernels.cuda_source import COMBINE, ENCODE, PARTIAL, compact, kernel_header
 from kernels.kv_format import AFFINE, AURA, RAW, LayerFormat, PartFormat
 
 MODES = {RAW: 0, AFFINE: 1, AURA: 2}
@@ -27,6 +27,7 @@ NUM_SMS = 132  # H200; only sizes the split count
 _LOG2E = math.log2(math.e)
 _STATIC_SHARED_BYTES = 48 * 1024  # a kernel's static shared memory at most (CUDA)
 _ENCODE_WARPS = 4  # warps per block of the encoder (one per vector part; `EW` in its source)
+_COMBINE_THREADS = 512  # the combine kernel's block at most (`NT` in its source)
 _MAX_SPLIT_PAGES = 256  # pages one split walks at most (its page ids sit in shared memory: `MAXPG`)
 
 
@@ -50,9 +51,13 @@ def custom_kernel(name: str, source: str, header: str = "", **io):
 
 
 @functools.cache
-def _encode_kernel():
-    return custom_kernel("bm_kv_encode", ENCODE, input_names=["k", "v", "codec", "kmean"], output_names=["out"],
-                         ensure_row_contiguous=False)
+def _kernels() -> dict:
+    return {
+        "encode": custom_kernel("bm_kv_encode", ENCODE, input_names=["k", "v", "codec", "kmean"],
+                                output_names=["out"], ensure_row_contiguous=False),
+        "combine": custom_kernel("bm_paged_decode_combine", COMBINE,
+                                 input_names=["o_part", "ml_part", "sinks", "vsign"], output_names=["out"]),
+    }
 
 
 @functools.cache
@@ -64,8 +69,8 @@ def _partial_kernel(mma: bool, coded: bool):
     pools = ["kp", "kt"] if coded else ["kp", "vp", "kt", "vt"]
     if coded:  # values are read from the keys' rows
         name, source = name + "_coded", "const RT* vp = kp;\nconst RT* vt = kt;\n" + source
-    return custom_kernel(name, source, header, input_names=["q", *pools, "pt", "lens", "cb", "sinks", "cnt"],
-                         output_names=["o_part", "ml_part", "out"])
+    return custom_kernel(name, source, header, input_names=["q", *pools, "pt", "lens", "cb"],
+                         output_names=["o_part", "ml_part"])
 
 
 @functools.cache
@@ -75,13 +80,14 @@ def _constant(values: tuple, dtype: mx.Dtype) -> mx.array:
 
 @functools.cache
 def _attention_constants(fmt: LayerFormat, head_dim: int) -> mx.array:
-    """The partial kernels' constants, float32 [512 + 2 * head_dim]: AURA centroids (keys at 0, values at 256,
-    zeros where unused), then the keys' rotation signs, then the values' (ones where a part is not AURA)."""
-    cb = np.zeros(512, np.float32)
+    """The partial kernels' constants, float32 [512 + head_dim]: AURA centroids (keys at 0, values at 256,
+    zeros where unused), then the keys' rotation signs (ones where keys are not AURA)."""
+    cb = np.zeros(512 + head_dim, np.float32)
     for offset, part in ((0, fmt.key), (256, fmt.value)):
         if part.kind == AURA:
             cb[offset : offset + (1 << part.bits)] = np.array(aura_codebook(part.bits))
-    return mx.array(np.concatenate([cb, _signs(fmt.key, head_dim), _signs(fmt.value, head_dim)]))
+    cb[512:] = np.array(_signs(fmt.key, head_dim)) if fmt.key.kind == AURA else 1.0
+    return mx.array(cb)
 
 
 def search_table(bits: int) -> np.ndarray:
@@ -97,15 +103,15 @@ def codec_constants(fmt: LayerFormat, head_dim: int) -> mx.array:
     """The encoder's constants of a layer, float32 [2 * head_dim + KT + VT]: the key's rotation signs, the
     value's (ones where a part is not AURA), then each AURA part's `search_table` (KT, VT floats: none for
     an affine part)."""
-    parts = [_signs(fmt.key, head_dim), _signs(fmt.value, head_dim)]
+    parts = [np.array(_signs(fmt.key, head_dim) if fmt.key.kind == AURA else np.ones(head_dim), np.float32),
+             np.array(_signs(fmt.value, head_dim) if fmt.value.kind == AURA else np.ones(head_dim), np.float32)]
     parts += [search_table(p.bits) for p in (fmt.key, fmt.value) if p.kind == AURA]
     return mx.array(np.concatenate(parts))
 
 
-def _signs(part: PartFormat, head_dim: int) -> np.ndarray:
-    """float32 [head_dim]: an AURA part's rotation signs; ones for any other part."""
-    rotation = part.rotation(head_dim) if part.kind == AURA else None
-    return np.array(rotation.signs, np.float32) if rotation is not None else np.ones(head_dim, np.float32)
+def _signs(part: PartFormat, head_dim: int) -> mx.array:
+    rotation = part.rotation(head_dim)
+    return rotation.signs if rotation is not None else _constant((1.0,), mx.float32)
 
 
 def _part_args(prefix: str, part: PartFormat) -> list[tuple[str, object]]:
@@ -138,7 +144,7 @@ def encode_rows(fmt: LayerFormat, keys: mx.array, values: mx.array, key_mean: mx
         raise ValueError(f"the CUDA kernels take regular formats only (kernels.paged_attention.uses_cuda), got {fmt}")
     batch, heads, length, head_dim = keys.shape
     inputs, template = encoder_args(fmt, head_dim, key_mean)
-    (rows,) = _encode_kernel()(
+    (rows,) = _kernels()["encode"](
         inputs=[keys, values, *inputs],
         template=[("T", keys.dtype), *template, ("EW", _ENCODE_WARPS)],
         grid=(-(-2 * batch * heads * length // _ENCODE_WARPS) * 32 * _ENCODE_WARPS, 1, 1),
@@ -271,29 +277,27 @@ def decode_attention(
         template = common + [("LPT", lanes), ("W", warps), ("U", tuning.unroll), ("QREG", tuning.query_in_registers),
                              ("PREFETCH", tuning.prefetch), *staging]
     pool_inputs = [pools[0], pools[1], tails[0], tails[1]] if fmt.is_raw else [pools[0], tails[0]]
-    has_sink = sinks is not None
-    _, _, out = _partial_kernel(mma is not None, not fmt.is_raw)(
-        inputs=[queries, *pool_inputs, page_table, lengths, _attention_constants(fmt, head_dim),
-                sinks.astype(mx.float32) if has_sink else _constant((0.0,), mx.float32),
-                _counters(id(pools[0]), batch * n_kv_heads)],
-        template=[*template, ("HAS_SINK", has_sink), ("UNROTATE", fmt.value.kind == AURA)],
+    o_part, ml_part = _partial_kernel(mma is not None, not fmt.is_raw)(
+        inputs=[queries, *pool_inputs, page_table, lengths, _attention_constants(fmt, head_dim)],
+        template=template,
         grid=(splits * 32 * warps, n_kv_heads, batch),
         threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(batch, n_heads, splits, head_dim), (batch, n_heads, splits, 2),
-                       (batch, n_heads * head_dim) if flat else (batch, n_heads, 1, head_dim)],
-        output_dtypes=[mx.float32, mx.float32, queries.dtype],
+        output_shapes=[(batch, n_heads, splits, head_dim), (batch, n_heads, splits, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    has_sink = sinks is not None
+    merge = min(_COMBINE_THREADS // head_dim, 1 << (splits - 1).bit_length())  # splits merged side by side
+    (out,) = _kernels()["combine"](
+        inputs=[o_part, ml_part, sinks.astype(mx.float32) if has_sink else _constant((0.0,), mx.float32),
+                _signs(fmt.value, head_dim)],
+        template=[("T", queries.dtype), ("D", head_dim), ("HAS_SINK", has_sink),
+                  ("UNROTATE", fmt.value.kind == AURA)],
+        grid=(head_dim * merge, n_heads, batch),
+        threadgroup=(head_dim * merge, 1, 1),
+        output_shapes=[(batch, n_heads * head_dim) if flat else (batch, n_heads, 1, head_dim)],
+        output_dtypes=[queries.dtype],
     )
     return out
-
-
-@functools.lru_cache(maxsize=1024)
-def _counters(pool_id: int, rows: int) -> mx.array:
-    """int32 [rows + 1] zeros: the partial kernels' count of finished splits per (row, kv head) (`finish_row`),
-    which the last block of each resets, so they are zeros again after every launch. One buffer per layer
-    (keyed by its pool) and width: launches of one layer follow each other on the stream (each decode step's
-    layers depend on the one before), those of two layers may share a graph. Made from host data, so
-    `mx.compile` captures it as a constant; never a single element (compile merges equal scalars)."""
-    return mx.array(np.zeros(rows + 1, np.int32))
 
 
 def _float_bits(x: float) -> int:
@@ -362,10 +366,8 @@ def _mma_staging(fmt: LayerFormat, dtype: mx.Dtype, group: int, page_size: int, 
     """Template arguments of the tensor-core kernel's ring (`kernels.cuda_mma`): W (warps), TT (tokens a
     tile: `16 * warps * unroll`, at most a split's tokens rounded up to 16), NS (stages), RG and CG
     (compressed rows' copies, `_copy_geometry`); stages, then tile tokens, are cut until the ring fits
-    beside the fixed arrays; KPRIV: AURA keys of 6+ bits get lane-private centroid copies (32 x 2^bits
-    halves: no shared-memory bank conflicts on their lookups) where the ring and merge rows still fit
-    beside them. None where the kernel does not serve the layer (dtype, head_dim, group, a lane's codes
-    not whole words: `_whole_lane_words`) or even two 16-token stages do not fit."""
+    beside the fixed arrays. None where the kernel does not serve the layer (dtype, head_dim, group, a
+    lane's codes not whole words: `_whole_lane_words`) or even two 16-token stages do not fit."""
     d = fmt.head_dim
     if dtype not in (mx.float16, mx.bfloat16) or d not in (64, 128) or group > 16:  # the shapes run on the H200
         return None
@@ -373,22 +375,17 @@ def _mma_staging(fmt: LayerFormat, dtype: mx.Dtype, group: int, page_size: int, 
         return None
     row_bytes = 2 * d if fmt.is_raw else 4 * fmt.row_words
     token_bytes = 2 * (d + 8) * 2 if fmt.is_raw else row_bytes  # raw: K and V rows padded to d + 8
-    private = 64 << fmt.key.bits if fmt.key.kind == AURA and fmt.key.bits >= 6 else 0  # bytes of the copies
-    for spare in ([private, 0] if private else [0]):
-        budget = _ring_budget(fmt, group) - spare
-        warps, stages = tuning.warps, max(2, tuning.stages)
-        tile = min(16 * warps * tuning.unroll, -(-per_split // 16) * 16)
-        while stages * tile * token_bytes > budget or 4 * warps * group * (d + 2) > budget:
-            if stages > 2:
-                stages -= 1
-            elif tile > 16:
-                tile -= 16
-            else:
-                break
+    budget = _ring_budget(fmt, group)
+    warps, stages = tuning.warps, max(2, tuning.stages)
+    tile = min(16 * warps * tuning.unroll, -(-per_split // 16) * 16)
+    while stages * tile * token_bytes > budget or 4 * warps * group * (d + 2) > budget:
+        if stages > 2:
+            stages -= 1
+        elif tile > 16:
+            tile -= 16
         else:
-            return [("W", warps), ("TT", tile), ("NS", stages), *_copy_geometry(row_bytes, page_size),
-                    ("KPRIV", spare > 0)]
-    return None
+            return None
+    return [("W", warps), ("TT", tile), ("NS", stages), *_copy_geometry(row_bytes, page_size)]
 
 
 def _whole_lane_words(fmt: LayerFormat) -> bool:

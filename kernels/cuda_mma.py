@@ -110,15 +110,7 @@ PARTIAL_MMA = r"""
   stage_block<T, T, D, G, KCB, VCB, MAXPG, 32 * W, ROTATE>(q + ((size_t)(b * Hkv + h) * G) * D, cb + 512,
                                                           __int_as_float(QSCALE), cb, pt + (size_t)b * NP + pg0,
                                                           min(tps / P, NP - pg0), lens + b, qs, cbs, pids, &live);
-  // KPRIV (AURA keys of 6+ bits, `kernels.cuda_kv._mma_staging`): a lane-private copy of their centroids, lane
-  // l's pair p at word p * 32 + l (bank l), as a warp's 32 lookups of random codes into one 2^KBITS-entry
-  // table would queue on shared-memory banks.
-  __shared__ uint32_t kpriv[KPRIV ? KCB * 16 : 1];
   __syncthreads();
-  if constexpr (KPRIV) {
-    for (int w = threadIdx.x; w < KCB * 16; w += 32 * W) kpriv[w] = pair<T>(cbs[2 * (w / 32)], cbs[2 * (w / 32) + 1]);
-    __syncthreads();
-  }
   const int t_end = min(t_begin + tps, min(live, NP * P));  // never past the staged page ids
 
   auto pool_row = [&](int t, bool& in_tail) {
@@ -229,14 +221,8 @@ PARTIAL_MMA = r"""
           }
           auto b = [&](int i) {  // B register of the lane's codes i, i + 1 (AURA: unit centroids, scaled below)
             const uint32_t q0 = lane_code<KBITS>(kw, i), q1 = lane_code<KBITS>(kw, i + 1);
-            if constexpr (KPRIV) {
-              const uint32_t w0 = kpriv[(q0 >> 1) * 32 + lane], w1 = kpriv[(q1 >> 1) * 32 + lane];
-              return ((q0 & 1) ? w0 >> 16 : w0 & 0xffffu) | ((q1 & 1) ? w1 & 0xffff0000u : w1 << 16);
-            } else if constexpr (KMODE == 2) {
-              return pair<T>(cbs[q0], cbs[q1]);
-            } else {
-              return pack2<T>(fmaf(sc, code_float(q0), bi), fmaf(sc, code_float(q1), bi));
-            }
+            if constexpr (KMODE == 2) return pair<T>(cbs[q0], cbs[q1]);
+            else return pack2<T>(fmaf(sc, code_float(q0), bi), fmaf(sc, code_float(q1), bi));
           };
 #pragma unroll
           for (int kk = 0; kk < KSTEPS; ++kk) mma16816<T>(s[nb], qa[kk], b(4 * kk), b(4 * kk + 2));
@@ -334,7 +320,4 @@ PARTIAL_MMA = r"""
   }
   __syncthreads();
   merge_states<D, G, W>(sm_m, sm_l, sm_acc, (size_t)b * Hkv * G + (size_t)h * G, S, split, o_part, ml_part);
-  finish_row<T, D, G, HAS_SINK, UNROTATE>(o_part, ml_part, (size_t)b * Hkv * G + (size_t)h * G, h * G, S,
-                                          const_cast<int*>(cnt) + b * Hkv + h, sinks, cb + 512 + D,
-                                          reinterpret_cast<float*>(smem), out);
 """

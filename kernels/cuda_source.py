@@ -1,6 +1,6 @@
 """CUDA sources of the KV kernels (compiled at first use by `mx.fast.cuda_kernel`, NVRTC).
 
-Two kernels, both reading or writing the row format of `kernels.kv_format`:
+Three kernels, all reading and writing the row format of `kernels.kv_format`:
 - `ENCODE`: K and V vectors of one (token, head) -> one compressed row, one warp a part
   (`encode_part` in `HEADER`, which `kernels.qkv_rope`'s fused kernel shares. AURA: rotate with a
   fast Walsh-Hadamard transform in warp shuffles, Lloyd-Max search over the gains of
@@ -17,9 +17,8 @@ Two kernels, both reading or writing the row format of `kernels.kv_format`:
   none (GPUs before compute capability 8.0) loads land in registers and are decoded at use, and
   `PREFETCH` issues the next tile's loads before this tile's math. The tensor-core twin that
   serves fp16/bf16 layers is `kernels.cuda_mma.PARTIAL_MMA` (same inputs, outputs and helpers).
-- `finish_row` (in `HEADER`, called at both partial kernels' end): the last block of a (row, kv
-  head) to finish merges the splits (and a learned attention sink), divides, and un-rotates AURA
-  values in shared memory: no second launch.
+- `COMBINE`: merges the splits (and a learned attention sink), divides, and un-rotates AURA
+  values in shared memory.
 
 Addressing: token slot t of row b, kv head h lives in pool row
 `(h * pages + page) * P + t % P` with `page = page_table[b, t / P]`; page ids >= `pages`
@@ -276,48 +275,6 @@ __device__ __forceinline__ void merge_states(const float* sm_m, const float* sm_
     o_part[(hq * S + split) * D + d] = O;
     if (d == 0) { ml_part[(hq * S + split) * 2] = M; ml_part[(hq * S + split) * 2 + 1] = L; }
   }
-}
-
-// After `merge_states`: the last of a (row, kv head)'s S blocks to finish (an atomic count in `*cnt`,
-// zero before the launch and reset to zero by that block) merges the S splits of its G query heads
-// (hq0 .. hq0 + G - 1; `hh0` the first one's head in the row) and a learned attention sink (`sinks` [heads],
-// natural-log units; the partials are in log2 units), divides, un-rotates AURA values (`vsign` [D], through
-// `sm` [G * D] floats of shared memory) and writes out[hq * D + d]. The other blocks' partials are read
-// past L1 (`__ldcg`) after a fence: CUDA's threadFenceReduction pattern. Every thread of the block calls it.
-template <typename T, int D, int G, bool HAS_SINK, bool UNROTATE>
-__device__ __forceinline__ void finish_row(const float* o_part, const float* ml_part, size_t hq0, int hh0, int S,
-                                           int* cnt, const float* sinks, const float* vsign, float* sm, T* out) {
-  __shared__ int last;
-  __threadfence();  // this block's partials are visible device-wide before it is counted
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(cnt, 1) == S - 1;
-  __syncthreads();
-  if (!last) return;  // block-uniform
-  __threadfence();
-  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
-    const int g = idx / D, d = idx % D;
-    const size_t hq = hq0 + g;
-    const float* ml = ml_part + hq * S * 2;
-    const float sink = HAS_SINK ? sinks[hh0 + g] * 1.4426950408889634f : -1e30f;
-    float M = sink;
-    for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(ml + 2 * s));
-    float L = HAS_SINK ? exp2f(sink - M) : 0.f, O = 0.f;
-    for (int s = 0; s < S; ++s) {
-      const float f = exp2f(__ldcg(ml + 2 * s) - M);
-      L = fmaf(__ldcg(ml + 2 * s + 1), f, L);
-      O = fmaf(__ldcg(o_part + (hq * S + s) * D + d), f, O);
-    }
-    const float y = L > 0.f ? O / L : 0.f;
-    if (UNROTATE) sm[idx] = y; else out[hq * D + d] = static_cast<T>(y);
-  }
-  if (UNROTATE) {
-    fwht_shared<D>(sm, G);
-    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
-      const int d = idx % D;
-      out[(hq0 + idx / D) * D + d] = static_cast<T>(sm[idx] * vsign[d] * rsqrtf((float)D));
-    }
-  }
-  if (threadIdx.x == 0) *cnt = 0;
 }
 
 // Floats of a part's search table (`encode_part`): AURA, 2^BITS thresholds (padded) and centroids, NG gains.
@@ -691,10 +648,57 @@ PARTIAL = r"""
   }
   __syncthreads();
   merge_states<D, G, E>(sm_m, sm_l, sm_acc, (size_t)b * Hkv * G + (size_t)h * G, S, split, o_part, ml_part);
-  finish_row<T, D, G, HAS_SINK, UNROTATE>(o_part, ml_part, (size_t)b * Hkv * G + (size_t)h * G, h * G, S,
-                                          const_cast<int*>(cnt) + b * Hkv + h, sinks, cb + 512 + D,
-                                          reinterpret_cast<float*>(smem), out);
 """
+
+# One block of D * R threads per (query head, row): thread (r, d) merges dim d of splits r, r + R, ...,
+# then the R partial sums meet in shared memory (R = blockDim.x / D, a power of two). Sinks are in
+# natural-log units; the merge works in log2 units (partial scores were scaled by log2(e)).
+COMBINE = r"""
+  constexpr int NT = 512;  // threads per block at most (D * R)
+  const int d = threadIdx.x % D, r = threadIdx.x / D, R = blockDim.x / D;
+  const int hq = blockIdx.y, b = blockIdx.z;
+  const int Hq = o_part_shape[1], S = o_part_shape[2];
+  const size_t row = (size_t)b * Hq + hq;
+  const float* mlp = ml_part + row * S * 2;
+  const float sink = HAS_SINK ? static_cast<float>(sinks[hq]) * 1.4426950408889634f : -1e30f;
+  __shared__ float red_o[NT], red_l[NT];
+  float M = sink;
+  for (int s = threadIdx.x; s < S; s += blockDim.x) M = fmaxf(M, mlp[2 * s]);
+  red_o[threadIdx.x] = M;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+    if (threadIdx.x < w) red_o[threadIdx.x] = fmaxf(red_o[threadIdx.x], red_o[threadIdx.x + w]);
+    __syncthreads();
+  }
+  M = red_o[0];
+  __syncthreads();
+  float L = 0.f, O = 0.f;
+  for (int s = r; s < S; s += R) {
+    const float f = exp2f(mlp[2 * s] - M);
+    L = fmaf(mlp[2 * s + 1], f, L);
+    O = fmaf(o_part[(row * S + s) * D + d], f, O);
+  }
+  red_o[threadIdx.x] = O;
+  red_l[threadIdx.x] = L;
+  __syncthreads();
+  for (int w = R / 2; w > 0; w >>= 1) {
+    if (r < w) {
+      red_o[threadIdx.x] += red_o[threadIdx.x + w * D];
+      red_l[threadIdx.x] += red_l[threadIdx.x + w * D];
+    }
+    __syncthreads();
+  }
+  L = red_l[d] + (HAS_SINK ? exp2f(sink - M) : 0.f);
+  float y = L > 0.f ? red_o[d] / L : 0.f;
+  if (UNROTATE) {
+    __shared__ float v[D];
+    if (r == 0) v[d] = y;
+    fwht_shared<D>(v, 1);
+    y = v[d] * vsign[d] * rsqrtf((float)D);
+  }
+  if (r == 0) out[row * D + d] = static_cast<T>(y);
+"""
+
 
 def compact(source: str) -> str:
     """CUDA `source` without `//` comments (outside string literals), indentation or blank lines.
@@ -731,8 +735,8 @@ def kernel_header(source: str, header: str = HEADER) -> str:
     """The helpers of `header` that `source` uses, with those they use in turn, in order and `compact`.
 
     A helper is a blank-line-separated chunk of `header`; it is used where one of the names it defines
-    (functions, structs) appears as a word. Every kernel gets only its own helpers: the encoder needs
-    three of HEADER's chunks.
+    (functions, structs) appears as a word. Every kernel gets only its own helpers: the combine kernel
+    needs one of HEADER's twelve chunks.
 
     Raises:
         ValueError: a chunk whose definitions the scan does not name (one would be dropped unseen).

@@ -50,7 +50,7 @@ def _pools(fmt, rows: int) -> tuple[mx.array, ...]:
 def layer_timer(fmt, shape, streams: int, context: int, gpu_time: bool = False):
     """A function `(tuning, iters) -> ms` timing every layer's decode attention over fresh pools.
 
-    `gpu_time`: the partial kernel's GPU time (its last blocks merge the splits) (CUPTI), not the wall clock with launches.
+    `gpu_time`: the partial and combine kernels' GPU time (CUPTI), not the wall clock with launches.
     """
     layers, n_heads, n_kv, head_dim = shape
     pages_per_row = -(-context // PAGE)

@@ -52,10 +52,7 @@ def test_tensor_core_plans_fit_shared_memory(scheme, head_dim, group, page):
         token = 2 * (head_dim + 8) * 2 if fmt.is_raw else 4 * fmt.row_words
         ring = args["NS"] * args["TT"] * token
         merge = args["W"] * group * (head_dim + 2) * 4
-        private = 32 * 2 * (1 << fmt.key.bits) if args["KPRIV"] else 0  # lane-private key centroids, 2 bytes each
-        assert args["KPRIV"] == (fmt.key.kind == AURA and fmt.key.bits >= 6 and fixed_bytes(fmt, group, centroid_bytes=2)
-                                 + max(ring, merge) + 32 * 2 * (1 << fmt.key.bits) <= LIMIT), (tuning, args)
-        assert fixed_bytes(fmt, group, centroid_bytes=2) + private + max(ring, merge) <= LIMIT, (tuning, args)
+        assert fixed_bytes(fmt, group, centroid_bytes=2) + max(ring, merge) <= LIMIT, (tuning, args)
         if args["CG"] == 16:  # whole 16-byte copies: row groups inside a page, 16-byte aligned
             assert page % args["RG"] == 0 and (args["RG"] * token) % 16 == 0 or fmt.is_raw
 
@@ -143,13 +140,13 @@ def test_compact_refuses_what_a_line_scan_cannot_strip(source):
 
 
 HELPER_SETS = [
-    ("ENCODE", {"encode_part", "fwht_warp", "table_floats"}),
-    ("qkv", {"encode_part", "fwht_warp", "table_floats"}),
+    ("COMBINE", {"fwht_shared"}),  # it un-rotates AURA values, nothing else
+    ("ENCODE", {"encode_part", "fwht_warp"}),
+    ("qkv", {"encode_part", "fwht_warp"}),
     ("PARTIAL_MMA", {"code_float", "cp_async", "cp_async_commit", "cp_async_wait", "fast_exp2", "fwht_warp",
-                     "merge_states", "stage_block", "finish_row", "fwht_shared"}),  # not the FMA kernel's slices
+                     "merge_states", "stage_block"}),  # not the FMA kernel's slices, the encoder, the combine's
     ("PARTIAL", {"Slice", "slice_words", "fetch_slice", "decode_slice", "code_float", "cp_async", "cp_async_commit",
-                 "cp_async_wait", "fast_exp2", "fwht_warp", "merge_states", "stage_block", "finish_row",
-                 "fwht_shared"}),
+                 "cp_async_wait", "fast_exp2", "fwht_warp", "merge_states", "stage_block"}),
 ]
 
 

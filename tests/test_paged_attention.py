@@ -253,7 +253,7 @@ def tuning_id(t: cuda_kv.Tuning) -> str:
 @pytest.mark.parametrize("scheme, head_dim, group", [("raw", 64, 4), ("affine4", 128, 2), ("aura4v4", 64, 4),
                                                      ("aura8v4", 128, 8), ("affine6", 256, 1)])
 def test_every_launch_shape_matches_float64_reference(tuning, scheme, head_dim, group):
-    """Unrolled tokens, wide lanes, many splits (the last block merging them): same attention."""
+    """Unrolled tokens, wide lanes, many splits (the combine merging them in parallel): same attention."""
     fmt = layer_format(scheme, head_dim)
     lengths = (1, 17, 300, 2049)
     store = Store(fmt, lengths, 2, seed=head_dim + group)
