@@ -1,7 +1,7 @@
 """Python side of the CUDA KV kernels: build once, pick template arguments, launch.
 
 `is_available()` says whether they can run here (MLX's CUDA backend is the default device).
-Constant inputs (codebooks, gain cells, rotation signs, scalar parameters) are built once per
+Constant inputs (codebooks, the encoder's search tables, rotation signs, scalar parameters) are built once per
 value and reused, so a traced decode step holds no per-step host data beyond its indices.
 
 Source: `kernels.cuda_source` (kernel bodies and their design).
@@ -17,10 +17,10 @@ import mlx.core as mx
 import numpy as np
 
 from kernels.aura import GAINS, aura_codebook
-from kernels.lloyd_max import lloyd_max_thresholds
 from kernels.cuda_mma import MMA_HEADER, PARTIAL_MMA
 from kernels.cuda_source import COMBINE, ENCODE, PARTIAL, compact, kernel_header
 from kernels.kv_format import AFFINE, AURA, RAW, LayerFormat, PartFormat
+from kernels.lloyd_max import lloyd_max_thresholds
 
 MODES = {RAW: 0, AFFINE: 1, AURA: 2}
 NUM_SMS = 132  # H200; only sizes the split count
@@ -34,8 +34,6 @@ _MAX_SPLIT_PAGES = 256  # pages one split walks at most (its page ids sit in sha
 def is_available() -> bool:
     """Whether the CUDA kernels can run: MLX's CUDA backend is present and the default device is the GPU."""
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
-
-
 
 
 def custom_kernel(name: str, source: str, header: str = "", **io):
