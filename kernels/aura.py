@@ -216,7 +216,8 @@ def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> Aura
     # broadcast to every vector counts as vectors x cells elements, over 2^31 for 9- and 10-bit codes at
     # 66,000 vectors, where MLX's CUDA backend (0.32.4) returned zero centroids (infinite scales).
     by_gain = mx.broadcast_to(cell.reshape(1, -1, 1), (1, cell.size, gains))
-    centroids = mx.take_along_axis(centroids_by_cell[None], by_gain, axis=1).reshape(*u.shape, gains)
+    centroids = mx.take_along_axis(centroids_by_cell[None], by_gain, axis=1)
+    centroids = centroids.reshape(*u.shape, gains)
     dot = mx.sum(centroids * u[..., None], axis=-2)  # [..., gains] (not a matmul: CUDA's would round to TF32)
     energy = mx.sum(centroids * centroids, axis=-2)
     best = mx.argmax(dot * mx.abs(dot) / energy, axis=-1, keepdims=True)  # [..., 1]
@@ -255,7 +256,8 @@ def _cells_of(bits: int, u: mx.array) -> mx.array:
 @functools.lru_cache(maxsize=None)
 def gain_cells(bits: int) -> tuple[mx.array, mx.array, mx.array]:
     """Cells of `u` inside which no gain's code changes, so one search serves all of them
-    (here and in the CUDA encoder, which takes these arrays).
+    (the MLX encoder's; the CUDA encoder searches thresholds x gain for each gain,
+    `kernels.cuda_kv.search_table`, which gives the same codes).
 
     The code of `u` under gain `g` changes only where `u / g` crosses a threshold, i.e. at
     `u = t * g`. Those edges, sorted, cut the line into cells; within one the codes of every

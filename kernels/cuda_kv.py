@@ -90,8 +90,9 @@ def _attention_constants(fmt: LayerFormat, head_dim: int) -> mx.array:
 
 def search_table(bits: int) -> np.ndarray:
     """An AURA part's table for the encoder's gain search (`encode_part` in `kernels.cuda_source`), float32
-    [2 * 2^bits + len(GAINS)]: the 2^bits - 1 Lloyd-Max thresholds padded with +inf (a binary search of
-    `bits` probes), the 2^bits centroids, the gains (`kernels.aura.GAINS`, as float32)."""
+    [2 * 2^bits + len(GAINS)]: the 2^bits - 1 Lloyd-Max thresholds and +inf (never probed: it makes the
+    binary search of `bits` probes a power of two long), the 2^bits centroids, the gains (`kernels.aura.GAINS`,
+    as float32)."""
     thresholds = np.append(np.array(lloyd_max_thresholds(bits), np.float32), np.float32(np.inf))
     return np.concatenate([thresholds, np.array(aura_codebook(bits), np.float32), np.array(GAINS, np.float32)])
 

@@ -107,6 +107,7 @@ PARTIAL_MMA = r"""
   __shared__ float qs[G * D];
   __shared__ int pids[MAXPG], live;
   __shared__ __align__(16) unsigned char smem[SMEM];
+  // cb: AURA centroids [512], then the keys' rotation signs [D] (`kernels.cuda_kv._attention_constants`)
   stage_block<T, T, D, G, KCB, VCB, MAXPG, 32 * W, ROTATE>(q + ((size_t)(b * Hkv + h) * G) * D, cb + 512,
                                                           __int_as_float(QSCALE), cb, pt + (size_t)b * NP + pg0,
                                                           min(tps / P, NP - pg0), lens + b, qs, cbs, pids, &live);

@@ -7,7 +7,7 @@ import os
 # MLX's CUDA backend runs float32 matmuls in TF32 unless told otherwise (read once, at the first matmul), so
 # a batched forward (a GEMM) and one row (a GEMV) of the float32 test models would differ by ~1e-3; the
 # batch-invariance tests compare them at 2e-4 (on the H200, 11 of tests/test_batched_cache.py failed so).
-os.environ.setdefault("MLX_ENABLE_TF32", "0")
+os.environ["MLX_ENABLE_TF32"] = "0"
 
 import mlx.core as mx  # noqa: E402
 import pytest  # noqa: E402

@@ -11,10 +11,11 @@ import itertools
 import re
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from kernels import cuda_kv, cuda_mma, cuda_source, qkv_rope
-from kernels.kv_format import AFFINE, AURA
+from kernels.kv_format import AFFINE, AURA, LayerFormat, PartFormat
 from services.engine.cache.schemes import layer_format
 
 SCHEMES = ["raw", "affine8", "affine4", "aura8v4", "aura4v4", "aura4v2", "aura8v8"]
@@ -141,8 +142,8 @@ def test_compact_refuses_what_a_line_scan_cannot_strip(source):
 
 HELPER_SETS = [
     ("COMBINE", {"fwht_shared"}),  # it un-rotates AURA values, nothing else
-    ("ENCODE", {"encode_part", "fwht_warp"}),
-    ("qkv", {"encode_part", "fwht_warp"}),
+    ("ENCODE", {"encode_part", "fwht_warp", "table_floats"}),
+    ("qkv", {"encode_part", "fwht_warp", "table_floats"}),
     ("PARTIAL_MMA", {"code_float", "cp_async", "cp_async_commit", "cp_async_wait", "fast_exp2", "fwht_warp",
                      "merge_states", "stage_block"}),  # not the FMA kernel's slices, the encoder, the combine's
     ("PARTIAL", {"Slice", "slice_words", "fetch_slice", "decode_slice", "code_float", "cp_async", "cp_async_commit",
@@ -159,3 +160,27 @@ def test_each_kernel_gets_the_helpers_it_calls_and_their_callees(kernel, want):
     defined = {n for n in every if re.search(rf"^(struct |__\w+__ .*\b){n}\b", header, re.M)}
     called = {n for n in every if re.search(rf"\b{n}\s*[(<]", header + cuda_source.compact(source))}
     assert defined == want and called <= defined  # what it calls, and what those call, and nothing else
+
+
+@pytest.mark.parametrize("key_aura, value_aura", [(False, True), (True, False), (True, True), (False, False)])
+def test_codec_constants_put_each_parts_table_where_the_kernels_read_it(key_aura, value_aura):
+    """The encoder kernels read key signs at 0, value signs at D, the key's search table at 2 D and the
+    value's at 2 D + KT, KT = (2 << bits) + 9 for an AURA key and 0 otherwise (`table_floats`): checked
+    for every mix of AURA and affine parts against the parts' own signs and tables."""
+    d = 64
+    key = PartFormat(AURA, 8, seed=11) if key_aura else PartFormat(AFFINE, 8, 64)
+    value = PartFormat(AURA, 4, seed=12) if value_aura else PartFormat(AFFINE, 4, 32)
+    got = np.array(cuda_kv.codec_constants(LayerFormat(key, value, d, d), d))
+
+    def signs(part):
+        return np.array(part.rotation(d).signs) if part.kind == AURA else np.ones(d)
+
+    kt = (2 << key.bits) + 9 if key_aura else 0
+    vt = (2 << value.bits) + 9 if value_aura else 0
+    assert got.shape == (2 * d + kt + vt,)
+    np.testing.assert_array_equal(got[:d], signs(key))
+    np.testing.assert_array_equal(got[d : 2 * d], signs(value))
+    if key_aura:
+        np.testing.assert_array_equal(got[2 * d : 2 * d + kt], cuda_kv.search_table(key.bits))
+    if value_aura:
+        np.testing.assert_array_equal(got[2 * d + kt :], cuda_kv.search_table(value.bits))

@@ -477,7 +477,7 @@ def test_cuda_encoder_matches_mlx_ops_encoder(scheme, head_dim, centered):
 @pytest.mark.parametrize("heads", [1, 3])
 def test_cuda_encoder_codes_one_decode_token(scheme, heads):
     """A decode step's launch: one token of `heads` kv heads, 2 * heads warps, so the last block
-    has idle warps (they stage the cell edges and leave): the rows equal the MLX-ops encoder's."""
+    has idle warps (they stage the search tables and leave): the rows equal the MLX-ops encoder's."""
     # a handful of words: one coordinate on a threshold is a larger share of them
     assert_encoder_matches_mlx_ops(LayerFormat(*SCHEMES[scheme](mx.float32), 64), batch=1, tokens=1, heads=heads,
                                    equal_share=0.75)
