@@ -84,7 +84,7 @@ def _attention_constants(fmt: LayerFormat, head_dim: int) -> mx.array:
     for offset, part in ((0, fmt.key), (256, fmt.value)):
         if part.kind == AURA:
             cb[offset : offset + (1 << part.bits)] = np.array(aura_codebook(part.bits))
-    cb[512:] = np.array(_signs(fmt.key, head_dim)) if fmt.key.kind == AURA else 1.0
+    cb[512:] = _sign_vector(fmt.key, head_dim)
     return mx.array(cb)
 
 
@@ -102,10 +102,14 @@ def codec_constants(fmt: LayerFormat, head_dim: int) -> mx.array:
     """The encoder's constants of a layer, float32 [2 * head_dim + KT + VT]: the key's rotation signs, the
     value's (ones where a part is not AURA), then each AURA part's `search_table` (KT, VT floats: none for
     an affine part)."""
-    parts = [np.array(_signs(fmt.key, head_dim) if fmt.key.kind == AURA else np.ones(head_dim), np.float32),
-             np.array(_signs(fmt.value, head_dim) if fmt.value.kind == AURA else np.ones(head_dim), np.float32)]
+    parts = [_sign_vector(fmt.key, head_dim), _sign_vector(fmt.value, head_dim)]
     parts += [search_table(p.bits) for p in (fmt.key, fmt.value) if p.kind == AURA]
     return mx.array(np.concatenate(parts))
+
+
+def _sign_vector(part: PartFormat, head_dim: int) -> np.ndarray:
+    """float32 [head_dim]: an AURA part's rotation signs, ones for any other part (the constant arrays' rule)."""
+    return np.array(_signs(part, head_dim), np.float32) if part.kind == AURA else np.ones(head_dim, np.float32)
 
 
 def _signs(part: PartFormat, head_dim: int) -> mx.array:

@@ -11,7 +11,6 @@ from mlx_lm.models.activations import swiglu
 from kernels.swiglu import swiglu_halves
 
 
-
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("batch, width", [(1, 96), (1, 8192), (3, 1000), (64, 2816)])
 def test_swiglu_halves_matches_float64_and_mlx_lm(dtype, batch, width):
