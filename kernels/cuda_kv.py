@@ -90,11 +90,22 @@ def _attention_constants(fmt: LayerFormat, head_dim: int) -> mx.array:
 
 def search_table(bits: int) -> np.ndarray:
     """An AURA part's table for the encoder's gain search (`encode_part` in `kernels.cuda_source`), float32
-    [2 * 2^bits + len(GAINS)]: the 2^bits - 1 Lloyd-Max thresholds and +inf (never probed: it makes the
-    binary search of `bits` probes a power of two long), the 2^bits centroids, the gains (`kernels.aura.GAINS`,
-    as float32)."""
-    thresholds = np.append(np.array(lloyd_max_thresholds(bits), np.float32), np.float32(np.inf))
-    return np.concatenate([thresholds, np.array(aura_codebook(bits), np.float32), np.array(GAINS, np.float32)])
+    [2 * 2^bits + len(GAINS)]: the 2^bits - 1 Lloyd-Max thresholds in breadth-first (Eytzinger) order at
+    1 .. 2^bits - 1 (node i's children at 2i, 2i + 1; slot 0 holds +inf, never probed), the 2^bits centroids,
+    the gains (`kernels.aura.GAINS`, as float32).
+
+    Breadth-first, the 2^d nodes of depth d are consecutive words, so a warp's probes of one depth meet at
+    most 2^(d - 5) words a shared-memory bank (none before depth 6); sorted, the probes of depth d sit on the
+    addresses `2^(bits - d - 1) (2k + 1) - 1`, 8 words a bank for 8-bit codes from depth 3 on.
+    Source: Khuong & Morin, "Array Layouts for Comparison-Based Searching" (2017), section 3.
+    """
+    n = 1 << bits
+    thresholds = np.array(lloyd_max_thresholds(bits), np.float32)
+    tree = np.full(n, np.inf, np.float32)
+    for depth in range(bits):  # node 2^depth + k splits sorted index (2k + 1) * 2^(bits - depth - 1) - 1
+        k = np.arange(1 << depth)
+        tree[(1 << depth) + k] = thresholds[(2 * k + 1) * (n >> (depth + 1)) - 1]
+    return np.concatenate([tree, np.array(aura_codebook(bits), np.float32), np.array(GAINS, np.float32)])
 
 
 @functools.cache

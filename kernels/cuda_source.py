@@ -277,13 +277,13 @@ __device__ __forceinline__ void merge_states(const float* sm_m, const float* sm_
   }
 }
 
-// Floats of a part's search table (`encode_part`): AURA, 2^BITS thresholds (padded) and centroids, NG gains.
+// Floats of a part's search table (`encode_part`): AURA, 2^BITS threshold slots and centroids, NG gains.
 __host__ __device__ constexpr int table_floats(int mode, int bits, int ng) { return mode == 2 ? (2 << bits) + ng : 0; }
 
 // Codes one part (K or V) of one vector held by a warp, lane j holding dims [j * E, j * E + E) of x
 // (E = D / 32, or 1 with D lanes when D < 32; other lanes hold zeros). AURA: sign flips, a
 // Walsh-Hadamard rotation, then the gain search over the part's search table `tab` (in shared memory,
-// `kernels.cuda_kv.search_table`: NC = 2^BITS thresholds padded with +inf, NC centroids, NG gains);
+// `kernels.cuda_kv.search_table`: NC slots of thresholds in breadth-first order, NC centroids, NG gains);
 // affine: MLX's CPU rule. Writes the D * BITS / 32 code words and the meta halves (affine: D / GS
 // scales, then D / GS biases; AURA: the scale). `sidx` [D]: the warp's scratch. Every lane of the warp
 // must call it.
@@ -308,9 +308,9 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
     const float norm = sqrtf(ss);
     // Gain search (kernels.aura): gain g's code of u is the count of thresholds t with float32(t * g) < u
     // (ties go to the lower cell; the edges of `kernels.aura.gain_cells`), a branchless binary search of
-    // BITS probes; the 9 gains' searches are independent, so their probes are in flight together. The
-    // vector keeps the gain whose codes are closest in angle to u (the first on a tie); xor reductions
-    // leave every lane the same sums, so all lanes agree on the gain.
+    // BITS probes down the thresholds' breadth-first tree; the 9 gains' searches are independent, so their
+    // probes are in flight together. The vector keeps the gain whose codes are closest in angle to u (the
+    // first on a tie); xor reductions leave every lane the same sums, so all lanes agree on the gain.
     uint32_t code[NG][E];
     float cu[NG], cc[NG];
 #pragma unroll
@@ -321,9 +321,10 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
 #pragma unroll
       for (int g = 0; g < NG; ++g) {
         const float gain = tab[2 * NC + g];
-        int pos = 0;
+        int node = 1;  // thresholds breadth-first: a depth's probes land in distinct banks
 #pragma unroll
-        for (int step = NC / 2; step > 0; step >>= 1) pos += tab[pos + step - 1] * gain < x[e] ? step : 0;
+        for (int depth = 0; depth < BITS; ++depth) node = 2 * node + (tab[node] * gain < x[e] ? 1 : 0);
+        const int pos = node - NC;
         code[g][e] = pos;
         const float c = live ? tab[NC + pos] : 0.f;
         cu[g] = fmaf(c, x[e], cu[g]);

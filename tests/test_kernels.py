@@ -574,13 +574,14 @@ def test_gain_cells_give_every_gains_nearest_centroid(bits):
 
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_search_table_probes_find_each_gains_cell_code(bits):
-    """The CUDA encoder's search (`encode_part`: `bits` branchless probes of `float32(t * g) < u` over the
-    padded thresholds of `search_table`) gives each gain the code `gain_cells` assigns to u's cell, and the
-    table's centroid there is that cell's. Checked here in NumPy float32 on random and on edge points."""
+    """The CUDA encoder's search (`encode_part`: `bits` branchless probes of `float32(t * g) < u` down the
+    breadth-first thresholds of `search_table`) gives each gain the code `gain_cells` assigns to u's cell, and
+    the table's centroid there is that cell's. Checked here in NumPy float32 on random and on edge points."""
     from kernels.cuda_kv import search_table
 
     table, n = search_table(bits), 1 << bits
-    assert table.dtype == np.float32 and table.shape == (2 * n + len(GAINS),) and table[n - 1] == np.inf
+    assert table.dtype == np.float32 and table.shape == (2 * n + len(GAINS),) and table[0] == np.inf
+    assert np.all(np.isfinite(table[1:n]))
     edges, centroids, index = (np.array(a) for a in gain_cells(bits))
     u = np.concatenate([np.random.default_rng(bits).standard_normal(20_000).astype(np.float32) * 1.5, edges,
                         np.nextafter(edges, np.float32(np.inf)), np.nextafter(edges, np.float32(-np.inf))])
@@ -588,13 +589,27 @@ def test_search_table_probes_find_each_gains_cell_code(bits):
     for g in range(len(GAINS)):
         gain = table[2 * n + g]
         assert gain == np.float32(GAINS[g])
-        pos = np.zeros(u.shape, np.int64)
-        step = n // 2
-        while step:
-            pos += np.where(table[pos + step - 1] * gain < u, step, 0)
-            step //= 2
+        node = np.ones(u.shape, np.int64)
+        for _ in range(bits):
+            node = 2 * node + (table[node] * gain < u)
+        pos = node - n
         np.testing.assert_array_equal(pos, index.reshape(-1, len(GAINS))[cell, g])
         np.testing.assert_array_equal(table[n + pos], centroids[cell, g])
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_search_table_holds_each_threshold_once_in_breadth_first_order(bits):
+    """Slots 1 .. 2^bits - 1 are the Lloyd-Max thresholds, each once, and an in-order walk of the tree
+    (left child 2i, right 2i + 1) reads them sorted: the layout the probes above rely on."""
+    from kernels.cuda_kv import search_table
+
+    n = 1 << bits
+    tree = search_table(bits)[:n]
+
+    def in_order(i):
+        return [] if i >= n else in_order(2 * i) + [tree[i]] + in_order(2 * i + 1)
+
+    np.testing.assert_array_equal(in_order(1), np.array(lloyd_max_thresholds(bits), np.float32))
 
 
 def test_aura_zero_vector_decodes_to_zero():
