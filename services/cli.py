@@ -25,8 +25,15 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported in one line (not the usage block) and exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="buttermilk", description="Local LLM serving on MLX, built around its KV caches.")
+    parser = _Parser(prog="buttermilk", description="Local LLM serving on MLX, built around its KV caches.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():
         mod = importlib.import_module(f"services.commands.{module}")

@@ -9,6 +9,7 @@ build that `error` message directly when a lease, session or connection ends.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 
 
@@ -117,14 +118,16 @@ class ModelNotFound(ButtermilkError):
     code = ErrorCode.MODEL_NOT_FOUND
 
 
-def one_line(exc: Exception) -> str:
-    """A pydantic ValidationError as `field: message; ...` (other errors: `str(exc)`)."""
+def one_line(exc: Exception, label: Callable[[str], str] | None = None) -> str:
+    """A pydantic ValidationError as `field: message; ...` (other errors: `str(exc)`); `label` renames a
+    field as the user knows it (a command-line flag, an environment variable)."""
     errors = getattr(exc, "errors", None)
     if not callable(errors):
         return str(exc)
     parts = []
     for err in errors():
         loc = ".".join(str(p) for p in err.get("loc", ()))
+        loc = label(loc) if label and loc else loc
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)

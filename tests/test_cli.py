@@ -47,6 +47,14 @@ def test_bad_model_is_a_clear_error(model):
     assert model in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_inspect_layer_trace_table_shows_each_layers_window():
+    proc = buttermilk("inspect", "--model", "default", "--layer-trace", "--kv-window-size", "64", "--kv-window-keep", "4",
+                      "--max-context", "2048")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("layer ")]
+    assert len(rows) == 30 and all(" window=64+4 " in row for row in rows), rows[:2]
+
+
 def test_inspect_layer_trace_json():
     proc = buttermilk("inspect", "--model", "default", "--layer-trace", "--json", "--max-context", "2048")
     report = json.loads(proc.stdout)
@@ -70,6 +78,12 @@ def test_max_context_above_advertised_is_refused():
     assert proc.returncode == 2 and "100000" in proc.stderr and "8192" in proc.stderr
 
 
+def test_a_bad_settings_variable_is_named_as_such(monkeypatch):
+    monkeypatch.setenv("BUTTERMILK_MAX_CONTEXT", "0")
+    proc = buttermilk("generate", "--model", "default", "--prompt", "hi")
+    assert proc.returncode == 2 and "BUTTERMILK_MAX_CONTEXT: Input should be greater than or equal to 1" in proc.stderr
+
+
 def test_unknown_kv_cache_scheme_lists_choices():
     proc = buttermilk("generate", "--model", "default", "--prompt", "hi", "--kv-cache", "zip9")
     assert proc.returncode == 2 and "zip9" in proc.stderr and "aura4v4" in proc.stderr
@@ -77,14 +91,17 @@ def test_unknown_kv_cache_scheme_lists_choices():
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("generate", "--prompt", "hi", "--seed", "-1"), "seed: Input should be greater than or equal to 0"),
+    (("generate", "--prompt", "hi", "--seed", "-1"), "--seed: Input should be greater than or equal to 0"),
     (("generate", "--prompt", ""), "the prompt is empty"),
-    (("generate", "--prompt", "hi", "--temperature", "nan"), "temperature: Input should be a finite number"),
+    (("generate", "--prompt", "hi", "--temperature", "nan"), "--temperature: Input should be a finite number"),
     (("inspect", "--kv-cache", "aura11v9"), "--kv-cache"),
-    (("generate", "--prompt", "hi", "--max-context", "0"), "max_context: Input should be greater than or equal to 1"),
+    (("generate", "--prompt", "hi", "--max-context", "0"), "--max-context: Input should be greater than or equal to 1"),
+    (("generate", "--prompt", "hi", "--kv-raw-layers", "x"), "argument --kv-raw-layers: invalid layer_list value"),
+    (("generate", "--max-tokens", "abc"), "argument --max-tokens: invalid int value"),
 ])
 def test_user_errors_are_one_line(args, message):
     proc = buttermilk(*args, "--model", "default")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("buttermilk: error:")
+    assert proc.stderr.strip().splitlines()[-1].startswith(("buttermilk: error:", "buttermilk generate: error:"))
+    assert "usage:" not in proc.stderr  # argparse's usage block is not repeated: one line
     assert message in proc.stderr and "Traceback" not in proc.stderr and "pydantic.dev" not in proc.stderr

@@ -235,6 +235,25 @@ def test_a_scheme_that_cannot_store_a_geometry_is_refused_at_configuration(schem
         cache_options(_settings(scheme, kv_raw_layers=raw_layers), loaded)
 
 
+@pytest.mark.parametrize("scheme, raw_layers, refused", [
+    ("aura4v4+2=aura8v8", [], "--kv-cache: layer 2 is not a layer of this model, which has 2 \\(0-1\\)"),
+    ("aura4v4", [0, 5], "--kv-raw-layers: layer 5 is not a layer of this model, which has 2 \\(0-1\\)"),
+    ("aura4v4+1=aura8v8", [1], None),  # both name the tiny model's last layer
+])
+def test_layer_numbers_past_the_model_are_refused_not_ignored(scheme, raw_layers, refused):
+    """An override or raw layer that names no layer would leave the user's request silently unapplied."""
+    from services.engine.runtime import cache_options
+    from shared.errors import BadRequest
+
+    loaded = _loaded(make_tiny_llama())
+    assert len(loaded.model.layers) == 2
+    if refused is None:
+        cache_options(_settings(scheme, kv_raw_layers=raw_layers), loaded)
+        return
+    with pytest.raises(BadRequest, match=refused):
+        cache_options(_settings(scheme, kv_raw_layers=raw_layers), loaded)
+
+
 def test_the_gateway_checks_scheme_names_without_weights():
     from services.engine.runtime import cache_options
     from shared.errors import BadRequest

@@ -120,6 +120,7 @@ def test_eval_kv_command_writes_json_table_and_plot(tmp_path):
     assert table.count("\n") == 5 + 1 + 7 and "| aura4v4 | 4.25 |" in table and table in proc.stdout
     assert "recall = raw (full; window) |" in table and "| raw | 68127 | 68127 |" in table
     assert (tmp_path / "eval_kv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "eval-kv: 100%" in proc.stderr and "3/3" in proc.stderr  # a bar on stderr, a run per scheme (raw too)
 
 
 @pytest.mark.model

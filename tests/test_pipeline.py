@@ -197,6 +197,11 @@ def test_context_overflow_and_max_tokens_cap(server):
     overflow, capped = run(main())
     assert overflow.code == ErrorCode.CONTEXT_OVERFLOW and str(MAX_CONTEXT) in overflow.message
     assert capped.usage.completion_tokens <= 6 and capped.usage.prompt_tokens == MAX_CONTEXT - 6
+    for args, code in ((["--prompt", "word " * (MAX_CONTEXT + 10)], "context_overflow"),
+                       (["--prompt", "hi", "--session", "never-opened"], "")):
+        proc = cli("client", "--address", server.address, *args)  # the request's own fault: a usage error
+        assert proc.returncode == 2 and proc.stderr.startswith("buttermilk: error: " + code), proc.stderr
+        assert proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_malformed_frames_get_errors_and_nothing_dies(server):

@@ -44,3 +44,23 @@ def test_an_unknown_kv_cache_scheme_stops_the_plan_before_any_process(tmp_path):
         serve.build_plan(parser.parse_args(["--kv-cache", "aura11v4"]), tmp_path)
     with pytest.raises(ValueError, match="bad layer override"):
         serve.build_plan(parser.parse_args(["--kv-cache", "aura4v4+x=raw"]), tmp_path)
+
+
+def test_gpu_without_a_gpu_is_refused_and_auto_falls_back(monkeypatch):
+    from shared.errors import BadRequest
+
+    monkeypatch.setattr(serve.sys, "platform", "linux")  # no Metal either
+    with pytest.raises(BadRequest, match="--device gpu:1: this machine has no GPU"):
+        serve.resolve_device("gpu:1", [])
+    assert serve.resolve_device("auto", []) == "cpu" and serve.resolve_device("auto", ["0"]) == "gpu"
+    assert serve.resolve_device("gpu", ["0"]) == "gpu" and serve.resolve_device("cpu", []) == "cpu"
+
+
+@pytest.mark.model
+def test_a_context_past_the_models_stops_the_plan_before_any_process(tmp_path):
+    from shared.errors import BadRequest
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    with pytest.raises(BadRequest, match="--max-context 100000 exceeds the model's advertised context of 8192"):
+        serve.build_plan(parser.parse_args(["--max-context", "100000", "--device", "cpu"]), tmp_path)

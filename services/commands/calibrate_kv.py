@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from services.commands.eval_kv import DEFAULT_SCHEMES
+from services.commands.progress import RunProgress
 
 DEFAULT_OUT = Path("ops/results/eval_kv")
 DEFAULT_BUDGETS = "3.25,4.25,6.25,8.25"
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         runs += layers * sum(s != "raw" for s in config.whole_schemes)
     affine = sum(s.startswith("affine") for s in config.reference_schemes)  # each adds its bits as a budget
     runs += len(config.reference_schemes) + len(config.budgets) + affine
-    progress = _Progress(runs)
+    progress = RunProgress(runs, "calibrate-kv")
     try:
         calibration = calibrate(loaded.model, loaded.tokenizer, text, config, sensitivity=sensitivity,
                                 on_run=progress.step)
@@ -98,25 +99,6 @@ def run(args: argparse.Namespace) -> int:
     plot_calibration(calibration, args.out / "calibrate_kv.png", title=title)
     print(markdown, end="")
     return 0
-
-
-class _Progress:
-    """A progress bar on stderr that appears with the first finished run (errors before stay one line)."""
-
-    def __init__(self, total: int):
-        self.total, self.bar = total, None
-
-    def step(self, scheme: str) -> None:
-        from tqdm import tqdm
-
-        if self.bar is None:
-            self.bar = tqdm(total=self.total, desc="calibrate-kv", unit="run")
-        self.bar.set_postfix_str(scheme[:40])
-        self.bar.update()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def read_text(path: Path) -> str:

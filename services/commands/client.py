@@ -4,7 +4,9 @@ Prints the text as it streams (or one JSON object with --json). `--health` exits
 server answers `ok` (at least one engine is live) and 1 otherwise (with --allow-degraded: 0 on
 any answer), for healthchecks. If no server answers within --connect-timeout-s (first, and
 whenever the stream falls silent that long), it fails with a one-line error. Ctrl-C cancels
-the request on the server and exits 130.
+the request on the server and exits 130. A request the server refuses as invalid (bad option,
+prompt over the context, unknown session) prints one line and exits 2; a server-side failure
+(overloaded, engine failed, timeout) exits 1.
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ import json
 import math
 import sys
 
+from shared.errors import ErrorCode
 from shared.settings import DEFAULT_ADDRESS
 
 CANCEL_WAIT_S = 2.0  # after Ctrl-C, how long to wait for the cancelled request's `done`
 EXIT_INTERRUPTED = 130
+# Server answers that refuse the request itself (HTTP's 4xx): exit 2, as for a bad flag; others exit 1.
+USER_ERRORS = frozenset({ErrorCode.BAD_REQUEST, ErrorCode.CONTEXT_OVERFLOW, ErrorCode.LEASE_EXPIRED,
+                         ErrorCode.MODEL_NOT_FOUND})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
                       "(is buttermilk serve running?)", file=sys.stderr)  # fmt: skip
                 return 1
             except ServerError as exc:
+                if exc.code in USER_ERRORS:  # the request's own fault, as a bad flag is
+                    return _usage_error(str(exc))
                 print(f"buttermilk: server error: {exc}", file=sys.stderr)
                 return 1
             except TimeoutError as exc:

@@ -15,6 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
+from services.commands.options import layer_list
+
 DEFAULT_SCHEMES = "affine8,affine6,affine4,aura8v8,aura8v4,aura5v3,aura4v4,aura4v2"
 DEFAULT_OUT = Path("ops/results/eval_kv")
 
@@ -28,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=int, default=256, help="tokens per forward (default 256)")
     parser.add_argument("--prompts", type=int, default=4, help="free-running prompts (default 4)")
     parser.add_argument("--max-new", type=int, default=48, help="most greedy tokens per prompt (default 48)")
-    parser.add_argument("--kv-raw-layers", type=lambda s: frozenset(int(x) for x in s.split(",") if x),
+    parser.add_argument("--kv-raw-layers", type=lambda s: frozenset(layer_list(s)),
                         default=frozenset(), help="layers kept raw in every scheme, e.g. 1")
     parser.add_argument("--recall-keys", type=int, default=5, help="passkey prompts, 0 to 5 (default 5; 0: off)")
     parser.add_argument("--recall-filler", type=int, default=1500, help="filler tokens before the question (default 1500)")
@@ -42,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.commands.progress import RunProgress
     from services.engine.model.loader import load_model
     from services.engine.runtime import default_key_means
     from services.eval.kv_eval import EvalConfig, evaluate
@@ -61,7 +64,11 @@ def run(args: argparse.Namespace) -> int:
                         raw_layers=args.kv_raw_layers, recall_keys=args.recall_keys,
                         recall_filler_tokens=args.recall_filler, recall_window=args.recall_window,
                         key_means=default_key_means(loaded) if args.center_keys else None)
-    results = evaluate(loaded.model, loaded.tokenizer, config)
+    progress = RunProgress(1 + sum(s != "raw" for s in config.schemes), "eval-kv")
+    try:
+        results = evaluate(loaded.model, loaded.tokenizer, config, on_run=progress.step)
+    finally:
+        progress.close()
     dtype = str(loaded.dtype).removeprefix("mlx.core.")
     args.out.mkdir(parents=True, exist_ok=True)
     report = results_dict(results, config, model=loaded.path.name, dtype=dtype)

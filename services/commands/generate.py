@@ -12,7 +12,7 @@ import sys
 
 from shared.errors import BadRequest
 
-from .options import add_model_arguments, settings_from_args
+from .options import add_model_arguments, flag, settings_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or None,
                                 seed=args.seed, max_tokens=args.max_tokens)  # fmt: skip
     except ValidationError as exc:
-        raise BadRequest(one_line(exc)) from None
+        raise BadRequest(one_line(exc, flag)) from None
     token_ids = encode_prompt(loaded.tokenizer, args.prompt, chat=args.chat)
     caches = make_layer_caches(loaded.model, options)
     stats = GenerationStats()

@@ -52,9 +52,13 @@ def run(args: argparse.Namespace) -> int:
 
 def print_report(report: dict) -> None:
     for key, value in report.items():
-        if key != "layers":
+        if key == "window" and value is None:
+            print(f"{key:>22}: none asked (--kv-window-size); the model's own windows show per layer")
+        elif key != "layers":
             print(f"{key:>22}: {value}")
     for row in report.get("layers", []):
         pools = " ".join(f"{p['shape']}:{p['dtype']}" for p in row.get("pools", []))
-        print(f"layer {row['layer']:>3} {row['kind']:<20} {row.get('scheme', ''):<8} live={row.get('live_tokens', '-'):<6} "
+        window = row.get("window")  # [size, keep] of a windowed layer (the model's own, or --kv-window-size)
+        window = f"window={window[0]}+{window[1]}" if window else "window=-"
+        print(f"layer {row['layer']:>3} {row['kind']:<20} {row.get('scheme', ''):<8} {window:<14} live={row.get('live_tokens', '-'):<6} "
               f"{row['nbytes']:>10} B  {row.get('bytes_per_token', '-')} B/tok  x{row.get('ratio_to_raw', '-')}  {pools}")

@@ -18,7 +18,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="'default' (SmolLM2-135M-Instruct), 'gemma3-270m' (needs the [gemma] extra), a local HF/MLX folder, or a .gguf file")
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weight dtype (auto: float32 on CPU)")
     parser.add_argument("--kv-cache", help="raw | affine8 | affine6 | affine4 | aura4v4 | aura4v2 | aura8v4 | aura8v8 | aura{K}v{V}")
-    parser.add_argument("--kv-raw-layers", type=lambda s: tuple(int(x) for x in s.split(",") if x), help="comma-separated layers kept raw, e.g. 0,29")
+    parser.add_argument("--kv-raw-layers", type=layer_list, help="comma-separated layers kept raw, e.g. 0,29")
     parser.add_argument("--kv-window-size", type=int, help="sliding window per layer, in tokens (sinks included)")
     parser.add_argument("--kv-window-keep", type=int, help="attention-sink tokens pinned under a window (default 4)")
     parser.add_argument("--no-kv-center-keys", dest="no_kv_center_keys", action="store_true", default=None,
@@ -44,7 +44,14 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
         if kind is bool:
             parser.add_argument(flag, dest=name, action="store_true", default=None, help=info.description)
         else:
-            parser.add_argument(flag, dest=name, type=kind, help=f"{info.description} (default {info.default})")
+            described = "(default" in (info.description or "")  # the description says it (a None default)
+            parser.add_argument(flag, dest=name, type=kind,
+                                help=info.description if described else f"{info.description} (default {info.default})")
+
+
+def layer_list(text: str) -> tuple[int, ...]:
+    """`--kv-raw-layers`: comma-separated layer numbers (argparse names this function in its error)."""
+    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def parse_settings(cls: type[BaseSettings], args: argparse.Namespace):
@@ -56,8 +63,14 @@ def parse_settings(cls: type[BaseSettings], args: argparse.Namespace):
     overrides = {n: getattr(args, n) for n in cls.model_fields if getattr(args, n, None) is not None}
     try:
         return cls(**overrides)
-    except ValidationError as exc:
-        raise BadRequest(one_line(exc)) from None
+    except ValidationError as exc:  # named as the user gave it: a flag, or the environment variable
+        prefix = cls.model_config.get("env_prefix", "")
+        raise BadRequest(one_line(exc, lambda f: flag(f) if f in overrides else f"{prefix}{f.upper()}")) from None
+
+
+def flag(field: str) -> str:
+    """The command-line flag of a settings field: `max_tokens` -> `--max-tokens`."""
+    return "--" + field.replace("_", "-")
 
 
 def _scalar_type(annotation) -> type:

@@ -88,6 +88,7 @@ def build_report(args: argparse.Namespace, *, schemes: list[str]) -> dict:
     import mlx.core as mx
 
     from services.engine import sizing
+    from services.engine.cache.schemes import check_layer_numbers
 
     if args.device == "auto":
         args.device = "gpu" if mx.is_available(mx.gpu) else "cpu"
@@ -100,6 +101,8 @@ def build_report(args: argparse.Namespace, *, schemes: list[str]) -> dict:
         lengths |= {"mean": max(1, round(prompt.mean + output.mean)), "worst": min(context, prompt.max + output.max)}
     worst = lengths.get("worst", context)
     raw_layers = frozenset(int(x) for x in args.kv_raw_layers.split(",") if x.strip())
+    for scheme in schemes:
+        check_layer_numbers(scheme, raw_layers, geometry.n_layers)
     page, window = args.page_size, args.window
     rows = []
     for scheme in schemes:

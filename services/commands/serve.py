@@ -9,6 +9,7 @@ processes. Every gateway, controller and engine setting can be given here too.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from shared.errors import BadRequest
 from shared.settings import ControllerSettings, EngineSettings, GatewaySettings, ModelSettings, ServeSettings
 
 from .gateway import served_model_names
@@ -52,12 +54,19 @@ def visible_gpus() -> list[str]:
 
 
 def resolve_device(spec: str, gpus: list[str]) -> str:
-    """`auto` -> `gpu` where a GPU exists (CUDA, or Apple's Metal), else `cpu`; other specs as given."""
-    if spec != "auto":
-        return spec
+    """`auto` -> `gpu` where a GPU exists (CUDA, or Apple's Metal), else `cpu`; other specs as given.
+
+    Raises:
+        BadRequest: a `gpu` spec on a machine without one (before any engine starts).
+    """
     import mlx.core as mx
 
-    return "gpu" if gpus or (sys.platform == "darwin" and mx.metal.is_available()) else "cpu"
+    has_gpu = bool(gpus) or (sys.platform == "darwin" and mx.metal.is_available())
+    if spec == "auto":
+        return "gpu" if has_gpu else "cpu"
+    if spec.startswith("gpu") and not has_gpu:
+        raise BadRequest(f"--device {spec}: this machine has no GPU (CUDA or Metal); use --device cpu or auto")
+    return spec
 
 
 def engine_placement(spec: str, index: int, gpus: list[str]) -> tuple[str, dict[str, str]]:
@@ -100,9 +109,13 @@ def build_plan(args: argparse.Namespace, run_dir: Path):
         ModelNotFound: `--model` names nothing usable (checked before anything starts).
         BadRequest: a setting fails validation.
         ValueError: `--kv-cache` names no scheme (checked before anything starts).
+        BadRequest: `--max-context` past the model's advertised context, a bad window, or
+            `--device gpu` without a GPU (all checked before anything starts).
     """
     from services.engine.cache.schemes import check_scheme
+    from services.engine.model.loader import LoadedModel
     from services.engine.model.paths import resolve_model
+    from services.engine.runtime import cache_options
     from services.http.server import DISABLED
     from services.supervisor import ChildSpec, SupervisorPlan
 
@@ -115,6 +128,8 @@ def build_plan(args: argparse.Namespace, run_dir: Path):
     device = resolve_device(serve.device, gpus)
     dtype = weights_dtype(model.dtype, "cpu" if device == "cpu" else "gpu")
     path = resolve_model(model.model, dtype=dtype)  # converts a GGUF once, here, not per engine
+    config = json.loads((path / "config.json").read_text())
+    cache_options(model, LoadedModel(model=None, tokenizer=None, path=path, config=config))  # --max-context, window
     given = {n: v for n, v in vars(args).items() if v is not None}
     ipc = {"engine_cmd_address": f"ipc://{run_dir}/engine-cmd",
            "engine_out_address": f"ipc://{run_dir}/engine-out",

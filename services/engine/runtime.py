@@ -9,7 +9,7 @@ from shared.settings import ModelSettings
 
 from .cache import CacheOptions, Window, make_layer_caches
 from .cache.centering import CALIBRATION_TOKENS, KeyMeans
-from .cache.schemes import check_scheme
+from .cache.schemes import check_layer_numbers, check_scheme
 from .model.loader import LoadedModel, load_model
 
 
@@ -22,8 +22,9 @@ def cache_options(settings: ModelSettings, loaded: LoadedModel) -> CacheOptions:
 
     Raises:
         BadRequest: `max_context` above the model's advertised window, a window with
-            `keep >= size`, an unknown scheme, or a scheme that cannot store a layer's key or
-            value width (caught here, before any request, rather than at the first prefill;
+            `keep >= size`, an unknown scheme, a scheme that cannot store a layer's key or
+            value width, or a layer override or raw layer past the model's layers (caught here,
+            before any request, rather than at the first prefill;
             with `loaded.model` None, as in the gateway, only the scheme names are checked).
     """
     advertised = loaded.advertised_context
@@ -46,9 +47,13 @@ def cache_options(settings: ModelSettings, loaded: LoadedModel) -> CacheOptions:
         if loaded.model is None:  # the gateway: no weights, names only (each engine checks its model)
             check_scheme(options.scheme)
             return options
-        make_layer_caches(loaded.model, options)
+        num_layers = len(make_layer_caches(loaded.model, options))
     except ValueError as exc:
         raise BadRequest(f"--kv-cache: {exc}") from exc
+    try:
+        check_layer_numbers(options.scheme, options.raw_layers, num_layers)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
     if not settings.no_kv_center_keys and options.scheme != "raw" and loaded.tokenizer is not None:  # it reads the text
         options = replace(options, key_means=default_key_means(loaded))
     return options

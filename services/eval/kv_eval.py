@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.nn as nn
@@ -60,7 +61,8 @@ class Reference:
     recall: RecallResult | None  # the raw cache's recall answers
 
 
-def evaluate(model: nn.Module, tokenizer, config: EvalConfig) -> list[SchemeResult]:
+def evaluate(model: nn.Module, tokenizer, config: EvalConfig,
+             on_run: Callable[[str], None] | None = None) -> list[SchemeResult]:
     """Run the raw cache, then every scheme, over the same corpus tokens and prompts.
 
     Per scheme: teacher-forced quality and size, free-running agreement, and (unless
@@ -70,6 +72,8 @@ def evaluate(model: nn.Module, tokenizer, config: EvalConfig) -> list[SchemeResu
         model (nn.Module): mlx-lm model (the default model for the acceptance numbers).
         tokenizer: Its tokenizer.
         config (EvalConfig): Schemes and sizes.
+        on_run (Callable[[str], None] | None): Called with each scheme's name (`raw` first) once its
+            result is in (a progress bar).
 
     Returns:
         list[SchemeResult]: `raw` first, then `config.schemes` in order (a `raw` there is skipped).
@@ -81,8 +85,13 @@ def evaluate(model: nn.Module, tokenizer, config: EvalConfig) -> list[SchemeResu
     raw_bits = 8.0 * model_dtype(model).size
     raw = SchemeResult("raw", raw_bits, 1.0, score_chunks(reference.logprobs, reference.logprobs, reference.targets),
                        0.0, tuple(len(g) for g in reference.greedy), reference.recall)
-    schemes = [s for s in config.schemes if s != "raw"]
-    return [raw] + [scheme_result(model, tokenizer, scheme, config, reference, raw) for scheme in schemes]
+    on_run = on_run or (lambda scheme: None)
+    on_run("raw")
+    results = [raw]
+    for scheme in (s for s in config.schemes if s != "raw"):
+        results.append(scheme_result(model, tokenizer, scheme, config, reference, raw))
+        on_run(scheme)
+    return results
 
 
 def raw_reference(model: nn.Module, tokenizer, config: EvalConfig) -> Reference:

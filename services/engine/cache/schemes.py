@@ -10,7 +10,7 @@ family means its codec (encode/decode in `kernels.kv_format` and the CUDA kernel
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -131,6 +131,21 @@ def parse_layer_overrides(scheme: str) -> tuple[str, dict[int, str]]:
                              "'aura4v4+1=aura8v8'")
         overrides[int(layer)] = name
     return base, overrides
+
+
+def check_layer_numbers(scheme: str, raw_layers: Iterable[int], num_layers: int) -> None:
+    """Check that every layer a scheme's overrides (`+{layer}=`) or `raw_layers` name is one of the model's.
+
+    Raises:
+        ValueError: a layer number outside 0 .. num_layers - 1, naming the option that gave it
+            (`--kv-cache` or `--kv-raw-layers`): such a layer would be silently ignored.
+    """
+    _, overrides = parse_layer_overrides(scheme)
+    for option, layers in (("--kv-cache", overrides), ("--kv-raw-layers", raw_layers)):
+        outside = sorted(n for n in layers if not 0 <= n < num_layers)
+        if outside:
+            raise ValueError(f"{option}: layer {outside[0]} is not a layer of this model, which has {num_layers} "
+                             f"(0-{num_layers - 1})")
 
 
 def _single(name: str, *, layer: int, dtype: mx.Dtype) -> Parts:
