@@ -321,7 +321,7 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
 #pragma unroll
       for (int g = 0; g < NG; ++g) {
         const float gain = tab[2 * NC + g];
-        int node = 1;  // thresholds breadth-first: a depth's probes land in distinct banks
+        int node = 1;  // thresholds breadth-first: a depth's probes land in distinct banks through depth 5
 #pragma unroll
         for (int depth = 0; depth < BITS; ++depth) node = 2 * node + (tab[node] * gain < x[e] ? 1 : 0);
         const int pos = node - NC;

@@ -126,8 +126,9 @@ def one_line(exc: Exception, label: Callable[[str], str] | None = None) -> str:
         return str(exc)
     parts = []
     for err in errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()))
-        loc = label(loc) if label and loc else loc
+        head, *rest = err.get("loc", ()) or ("",)  # a field, then indices into it (`kv_raw_layers[0]`)
+        loc = (label(str(head)) if label and head != "" else str(head)) + "".join(
+            f"[{p}]" if isinstance(p, int) else f".{p}" for p in rest)
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)

@@ -82,6 +82,10 @@ def test_a_bad_settings_variable_is_named_as_such(monkeypatch):
     monkeypatch.setenv("BUTTERMILK_MAX_CONTEXT", "0")
     proc = buttermilk("generate", "--model", "default", "--prompt", "hi")
     assert proc.returncode == 2 and "BUTTERMILK_MAX_CONTEXT: Input should be greater than or equal to 1" in proc.stderr
+    monkeypatch.delenv("BUTTERMILK_MAX_CONTEXT")
+    monkeypatch.setenv("BUTTERMILK_KV_RAW_LAYERS", "0,29")  # the flag's spelling; the environment takes JSON
+    proc = buttermilk("generate", "--model", "default", "--prompt", "hi")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "BUTTERMILK_KV_RAW_LAYERS='[0,29]'" in proc.stderr
 
 
 def test_unknown_kv_cache_scheme_lists_choices():
@@ -96,7 +100,7 @@ def test_unknown_kv_cache_scheme_lists_choices():
     (("generate", "--prompt", "hi", "--temperature", "nan"), "--temperature: Input should be a finite number"),
     (("inspect", "--kv-cache", "aura11v9"), "--kv-cache"),
     (("generate", "--prompt", "hi", "--max-context", "0"), "--max-context: Input should be greater than or equal to 1"),
-    (("generate", "--prompt", "hi", "--kv-raw-layers", "x"), "argument --kv-raw-layers: invalid layer_list value"),
+    (("generate", "--prompt", "hi", "--kv-raw-layers", "x"), "argument --kv-raw-layers: expected comma-separated layer"),
     (("generate", "--max-tokens", "abc"), "argument --max-tokens: invalid int value"),
 ])
 def test_user_errors_are_one_line(args, message):

@@ -124,6 +124,14 @@ def test_eval_kv_command_writes_json_table_and_plot(tmp_path):
 
 
 @pytest.mark.model
+def test_eval_kv_refuses_layers_past_the_model_before_any_run(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "eval-kv", "--schemes", "affine8,aura4v4+30=raw",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--schemes: layer 30 is not a layer of this model, which has 30" in proc.stderr
+    assert "eval-kv:" not in proc.stderr and not (tmp_path / "eval_kv.json").exists()  # no run began
+
+
+@pytest.mark.model
 def test_recall_prompt_layout(default_model):
     """Instruction and key, then exactly the corpus's second-half tokens as filler, then question and answer prefix."""
     tokenizer = default_model.tokenizer

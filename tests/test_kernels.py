@@ -35,7 +35,7 @@ from kernels.aura import (
     parse_aura_scheme,
     unpack_bits,
 )
-from kernels.lloyd_max import lloyd_max_codebook, lloyd_max_mse, lloyd_max_thresholds
+from kernels.lloyd_max import MAX_BITS, lloyd_max_codebook, lloyd_max_mse, lloyd_max_thresholds
 from kernels.rotation import RandomizedHadamard, hadamard_matrix, hadamard_signs, supports_head_dim
 
 UNIT_ROUNDOFF = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8, mx.float32: 2.0**-24}
@@ -572,7 +572,7 @@ def test_gain_cells_give_every_gains_nearest_centroid(bits):
     np.testing.assert_allclose(centroids, np.array(lloyd_max_codebook(bits))[want], rtol=1e-6)
 
 
-@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("bits", range(1, MAX_BITS + 1))
 def test_search_table_probes_find_each_gains_cell_code(bits):
     """The CUDA encoder's search (`encode_part`: `bits` branchless probes of `float32(t * g) < u` down the
     breadth-first thresholds of `search_table`) gives each gain the code `gain_cells` assigns to u's cell, and
@@ -597,7 +597,7 @@ def test_search_table_probes_find_each_gains_cell_code(bits):
         np.testing.assert_array_equal(table[n + pos], centroids[cell, g])
 
 
-@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("bits", range(1, MAX_BITS + 1))
 def test_search_table_holds_each_threshold_once_in_breadth_first_order(bits):
     """Slots 1 .. 2^bits - 1 are the Lloyd-Max thresholds, each once, and an in-order walk of the tree
     (left child 2i, right 2i + 1) reads them sorted: the layout the probes above rely on."""

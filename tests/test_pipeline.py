@@ -198,7 +198,7 @@ def test_context_overflow_and_max_tokens_cap(server):
     assert overflow.code == ErrorCode.CONTEXT_OVERFLOW and str(MAX_CONTEXT) in overflow.message
     assert capped.usage.completion_tokens <= 6 and capped.usage.prompt_tokens == MAX_CONTEXT - 6
     for args, code in ((["--prompt", "word " * (MAX_CONTEXT + 10)], "context_overflow"),
-                       (["--prompt", "hi", "--session", "never-opened"], "")):
+                       (["--prompt", "hi", "--session", "never-opened"], "bad_request")):
         proc = cli("client", "--address", server.address, *args)  # the request's own fault: a usage error
         assert proc.returncode == 2 and proc.stderr.startswith("buttermilk: error: " + code), proc.stderr
         assert proc.stderr.count("\n") == 1, proc.stderr

@@ -98,7 +98,7 @@ def test_pool_size_command_prints_figures_for_the_workload():
         sizing.bytes_per_token("raw8", SMOLLM)
     past = cli("pool-size", "--memory-gib", "1", "--n-layers", "30", "--n-kv-heads", "3", "--head-dim", "64",
                "--schemes", "aura4v4+30=aura8v8")
-    assert past.returncode == 2 and "--kv-cache: layer 30 is not a layer of this model, which has 30" in past.stderr
+    assert past.returncode == 2 and "--schemes: layer 30 is not a layer of this model, which has 30" in past.stderr
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,9 @@ from shared.settings import DEFAULT_ADDRESS
 
 CANCEL_WAIT_S = 2.0  # after Ctrl-C, how long to wait for the cancelled request's `done`
 EXIT_INTERRUPTED = 130
-# Server answers that refuse the request itself (HTTP's 4xx): exit 2, as for a bad flag; others exit 1.
-USER_ERRORS = frozenset({ErrorCode.BAD_REQUEST, ErrorCode.CONTEXT_OVERFLOW, ErrorCode.LEASE_EXPIRED,
-                         ErrorCode.MODEL_NOT_FOUND})
+# Server answers that refuse the request as given (HTTP's 400 and 404): exit 2, as for a bad flag. Others
+# exit 1, `lease_expired` too: it may end a request already streaming.
+USER_ERRORS = frozenset({ErrorCode.BAD_REQUEST, ErrorCode.CONTEXT_OVERFLOW, ErrorCode.MODEL_NOT_FOUND})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from services.commands.progress import RunProgress
+    from services.engine.cache import CacheOptions, make_layer_caches
+    from services.engine.cache.schemes import check_layer_numbers
     from services.engine.model.loader import load_model
     from services.engine.runtime import default_key_means
     from services.eval.kv_eval import EvalConfig, evaluate
@@ -59,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.recall_keys <= len(FACTS):
         raise ValueError(f"--recall-keys must be 0..{len(FACTS)}, got {args.recall_keys}")
     loaded = load_model(args.model, dtype=args.dtype)
+    num_layers = len(make_layer_caches(loaded.model, CacheOptions(scheme="raw", max_context=16)))
+    for scheme in args.schemes.split(","):  # before minutes of runs, not silently past the model
+        check_layer_numbers(scheme, args.kv_raw_layers, num_layers, scheme_option="--schemes")
     config = EvalConfig(schemes=tuple(s for s in args.schemes.split(",") if s), num_tokens=args.tokens,
                         chunk=args.chunk, num_prompts=args.prompts, max_new=args.max_new,
                         raw_layers=args.kv_raw_layers, recall_keys=args.recall_keys,

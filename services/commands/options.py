@@ -7,7 +7,7 @@ import types
 import typing
 
 from pydantic import ValidationError
-from pydantic_settings import BaseSettings
+from pydantic_settings import BaseSettings, SettingsError
 
 from shared.errors import BadRequest, one_line
 from shared.settings import ModelSettings
@@ -50,8 +50,15 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
 
 
 def layer_list(text: str) -> tuple[int, ...]:
-    """`--kv-raw-layers`: comma-separated layer numbers (argparse names this function in its error)."""
-    return tuple(int(x) for x in text.split(",") if x.strip())
+    """`--kv-raw-layers`: comma-separated layer numbers.
+
+    Raises:
+        argparse.ArgumentTypeError: not integers (argparse reports it as the flag's error).
+    """
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers such as 0,29, got {text!r}") from None
 
 
 def parse_settings(cls: type[BaseSettings], args: argparse.Namespace):
@@ -61,10 +68,12 @@ def parse_settings(cls: type[BaseSettings], args: argparse.Namespace):
         BadRequest: a value fails the settings' validation.
     """
     overrides = {n: getattr(args, n) for n in cls.model_fields if getattr(args, n, None) is not None}
+    prefix = cls.model_config.get("env_prefix", "")
     try:
         return cls(**overrides)
+    except SettingsError as exc:  # a variable pydantic-settings cannot decode (lists and tuples are JSON there)
+        raise BadRequest(f"{exc}; in the environment, list settings take JSON, e.g. {prefix}KV_RAW_LAYERS='[0,29]'") from None
     except ValidationError as exc:  # named as the user gave it: a flag, or the environment variable
-        prefix = cls.model_config.get("env_prefix", "")
         raise BadRequest(one_line(exc, lambda f: flag(f) if f in overrides else f"{prefix}{f.upper()}")) from None
 
 

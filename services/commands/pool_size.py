@@ -88,6 +88,7 @@ def build_report(args: argparse.Namespace, *, schemes: list[str]) -> dict:
     import mlx.core as mx
 
     from services.engine import sizing
+    from services.commands.options import layer_list
     from services.engine.cache.schemes import check_layer_numbers
 
     if args.device == "auto":
@@ -100,9 +101,9 @@ def build_report(args: argparse.Namespace, *, schemes: list[str]) -> dict:
     if prompt.max + output.max > 0:  # a workload was given
         lengths |= {"mean": max(1, round(prompt.mean + output.mean)), "worst": min(context, prompt.max + output.max)}
     worst = lengths.get("worst", context)
-    raw_layers = frozenset(int(x) for x in args.kv_raw_layers.split(",") if x.strip())
+    raw_layers = frozenset(layer_list(args.kv_raw_layers))
     for scheme in schemes:
-        check_layer_numbers(scheme, raw_layers, geometry.n_layers)
+        check_layer_numbers(scheme, raw_layers, geometry.n_layers, scheme_option="--schemes")
     page, window = args.page_size, args.window
     rows = []
     for scheme in schemes:

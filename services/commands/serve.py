@@ -61,7 +61,7 @@ def resolve_device(spec: str, gpus: list[str]) -> str:
     """
     import mlx.core as mx
 
-    has_gpu = bool(gpus) or (sys.platform == "darwin" and mx.metal.is_available())
+    has_gpu = bool(gpus) or (sys.platform == "darwin" and mx.metal.is_available()) or mx.is_available(mx.gpu)
     if spec == "auto":
         return "gpu" if has_gpu else "cpu"
     if spec.startswith("gpu") and not has_gpu:

@@ -133,15 +133,16 @@ def parse_layer_overrides(scheme: str) -> tuple[str, dict[int, str]]:
     return base, overrides
 
 
-def check_layer_numbers(scheme: str, raw_layers: Iterable[int], num_layers: int) -> None:
+def check_layer_numbers(scheme: str, raw_layers: Iterable[int], num_layers: int, *,
+                        scheme_option: str = "--kv-cache", raw_option: str = "--kv-raw-layers") -> None:
     """Check that every layer a scheme's overrides (`+{layer}=`) or `raw_layers` name is one of the model's.
 
     Raises:
         ValueError: a layer number outside 0 .. num_layers - 1, naming the option that gave it
-            (`--kv-cache` or `--kv-raw-layers`): such a layer would be silently ignored.
+            (`scheme_option` or `raw_option`): such a layer would be silently ignored.
     """
     _, overrides = parse_layer_overrides(scheme)
-    for option, layers in (("--kv-cache", overrides), ("--kv-raw-layers", raw_layers)):
+    for option, layers in ((scheme_option, overrides), (raw_option, raw_layers)):
         outside = sorted(n for n in layers if not 0 <= n < num_layers)
         if outside:
             raise ValueError(f"{option}: layer {outside[0]} is not a layer of this model, which has {num_layers} "
