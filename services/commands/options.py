@@ -7,7 +7,8 @@ import types
 import typing
 
 from pydantic import ValidationError
-from pydantic_settings import BaseSettings, SettingsError
+from pydantic_settings import BaseSettings
+from pydantic_settings.sources import SettingsError  # exported at the top only by newer releases
 
 from shared.errors import BadRequest, one_line
 from shared.settings import ModelSettings
