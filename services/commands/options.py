@@ -8,7 +8,6 @@ import typing
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
-from pydantic_settings.sources import SettingsError  # exported at the top only by newer releases
 
 from shared.errors import BadRequest, one_line
 from shared.settings import ModelSettings
@@ -72,10 +71,10 @@ def parse_settings(cls: type[BaseSettings], args: argparse.Namespace):
     prefix = cls.model_config.get("env_prefix", "")
     try:
         return cls(**overrides)
-    except SettingsError as exc:  # a variable pydantic-settings cannot decode (lists and tuples are JSON there)
-        raise BadRequest(f"{exc}; in the environment, list settings take JSON, e.g. {prefix}KV_RAW_LAYERS='[0,29]'") from None
     except ValidationError as exc:  # named as the user gave it: a flag, or the environment variable
         raise BadRequest(one_line(exc, lambda f: flag(f) if f in overrides else f"{prefix}{f.upper()}")) from None
+    except ValueError as exc:  # pydantic-settings' SettingsError: a variable it cannot decode (lists are JSON there)
+        raise BadRequest(f"{exc}; in the environment, list settings take JSON, e.g. {prefix}KV_RAW_LAYERS='[0,29]'") from None
 
 
 def flag(field: str) -> str:
