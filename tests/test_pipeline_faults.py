@@ -236,8 +236,10 @@ def test_unusable_model_fails_fast_with_a_clear_message(tmp_path):
 
 
 def test_engine_config_error_stops_serve_without_orphans(tmp_path):
+    """A setting only an engine can check (a layer override past the model's 30 layers: serve checks scheme
+    names, the engine the model) stops serve with exit 2 and leaves no process behind."""
     argv = [sys.executable, "-m", "services.cli", "serve", "--model", "default", "--address",
-            f"ipc://{tmp_path}/c", "--max-context", "100000", "--http-address", "off"]  # fmt: skip
+            f"ipc://{tmp_path}/c", "--kv-cache", "aura4v4+99=aura8v8", "--http-address", "off"]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen: set[int] = set()
     deadline = time.monotonic() + 120
@@ -246,7 +248,7 @@ def test_engine_config_error_stops_serve_without_orphans(tmp_path):
         time.sleep(0.1)
     stderr = proc.communicate(timeout=30)[1]
     assert proc.returncode == 2, stderr[-2000:]
-    assert "100000" in stderr
+    assert "layer 99 is not a layer of this model" in stderr
     assert seen and not any(is_alive(p) for p in seen)
 
 
