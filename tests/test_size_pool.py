@@ -99,6 +99,9 @@ def test_pool_size_command_prints_figures_for_the_workload():
     past = cli("pool-size", "--memory-gib", "1", "--n-layers", "30", "--n-kv-heads", "3", "--head-dim", "64",
                "--schemes", "aura4v4+30=aura8v8")
     assert past.returncode == 2 and "--schemes: layer 30 is not a layer of this model, which has 30" in past.stderr
+    bad = cli("pool-size", "--memory-gib", "1", "--kv-raw-layers", "x")
+    assert bad.returncode == 2 and "argument --kv-raw-layers: expected comma-separated layer numbers" in bad.stderr
+    assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
 
 
 @pytest.fixture(scope="module")

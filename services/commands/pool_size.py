@@ -17,6 +17,8 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
+from services.commands.options import layer_list
+
 DEFAULT_CONTEXT = 4096
 
 
@@ -60,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                         help="model dtype, which raw K/V use (auto: float32 on cpu, float16 on gpu)")
     parser.add_argument("--schemes", help="comma-separated --kv-cache values (default: every named scheme)")
-    parser.add_argument("--kv-raw-layers", default="", help="comma-separated layers kept raw")
+    parser.add_argument("--kv-raw-layers", type=layer_list, default=(), help="comma-separated layers kept raw, e.g. 0,29")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (engine --page-size)")
     parser.add_argument("--context", type=int,
                         help=f"tokens per request for vLLM's line (default: the model's, else {DEFAULT_CONTEXT})")
@@ -88,7 +90,6 @@ def build_report(args: argparse.Namespace, *, schemes: list[str]) -> dict:
     import mlx.core as mx
 
     from services.engine import sizing
-    from services.commands.options import layer_list
     from services.engine.cache.schemes import check_layer_numbers
 
     if args.device == "auto":
@@ -101,7 +102,7 @@ def build_report(args: argparse.Namespace, *, schemes: list[str]) -> dict:
     if prompt.max + output.max > 0:  # a workload was given
         lengths |= {"mean": max(1, round(prompt.mean + output.mean)), "worst": min(context, prompt.max + output.max)}
     worst = lengths.get("worst", context)
-    raw_layers = frozenset(layer_list(args.kv_raw_layers))
+    raw_layers = frozenset(args.kv_raw_layers)
     for scheme in schemes:
         check_layer_numbers(scheme, raw_layers, geometry.n_layers, scheme_option="--schemes")
     page, window = args.page_size, args.window
