@@ -216,8 +216,7 @@ def aura_encode(x: mx.array, *, bits: int, rotation: RandomizedHadamard) -> Aura
     # broadcast to every vector counts as vectors x cells elements, over 2^31 for 9- and 10-bit codes at
     # 66,000 vectors, where MLX's CUDA backend (0.32.4) returned zero centroids (infinite scales).
     by_gain = mx.broadcast_to(cell.reshape(1, -1, 1), (1, cell.size, gains))
-    centroids = mx.take_along_axis(centroids_by_cell[None], by_gain, axis=1)
-    centroids = centroids.reshape(*u.shape, gains)
+    centroids = mx.take_along_axis(centroids_by_cell[None], by_gain, axis=1).reshape(*u.shape, gains)
     dot = mx.sum(centroids * u[..., None], axis=-2)  # [..., gains] (not a matmul: CUDA's would round to TF32)
     energy = mx.sum(centroids * centroids, axis=-2)
     best = mx.argmax(dot * mx.abs(dot) / energy, axis=-1, keepdims=True)  # [..., 1]

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.recall_keys <= len(FACTS):
         raise ValueError(f"--recall-keys must be 0..{len(FACTS)}, got {args.recall_keys}")
     loaded = load_model(args.model, dtype=args.dtype)
-    num_layers = len(make_layer_caches(loaded.model, CacheOptions(scheme="raw", max_context=16)))
+    num_layers = len(make_layer_caches(loaded.model, CacheOptions(max_context=1)))
     for scheme in args.schemes.split(","):  # before minutes of runs, not silently past the model
         check_layer_numbers(scheme, args.kv_raw_layers, num_layers, scheme_option="--schemes")
     config = EvalConfig(schemes=tuple(s for s in args.schemes.split(",") if s), num_tokens=args.tokens,

@@ -44,9 +44,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
         if kind is bool:
             parser.add_argument(flag, dest=name, action="store_true", default=None, help=info.description)
         else:
-            described = "(default" in (info.description or "")  # the description says it (a None default)
+            unset = info.default is None  # no default to show: the description says what happens then
             parser.add_argument(flag, dest=name, type=kind,
-                                help=info.description if described else f"{info.description} (default {info.default})")
+                                help=info.description if unset else f"{info.description} (default {info.default})")
 
 
 def layer_list(text: str) -> tuple[int, ...]:

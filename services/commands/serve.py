@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -61,7 +60,7 @@ def resolve_device(spec: str, gpus: list[str]) -> str:
     """
     import mlx.core as mx
 
-    has_gpu = bool(gpus) or (sys.platform == "darwin" and mx.metal.is_available()) or mx.is_available(mx.gpu)
+    has_gpu = bool(gpus) or mx.is_available(mx.gpu)  # CUDA GPUs listed, or MLX's own GPU (Metal, CUDA)
     if spec == "auto":
         return "gpu" if has_gpu else "cpu"
     if spec.startswith("gpu") and not has_gpu:
