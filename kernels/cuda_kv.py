@@ -425,29 +425,30 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
         fmt (LayerFormat): The layer's format.
         rows (int): Sequences times kv heads of the launch (one block walks one of them per split).
 
-    The tensor-core kernel wherever it serves the layer. At 32 streams x 8K (llama shape, 16 layers)
-    it took 2.65 ms over raw K/V (best FMA kernel 3.38), 2.63 over affine4 (3.33) and 2.36 over
-    aura4v4 (2.99); at 1 x 32K 0.49 over raw (FMA 1.25) and 0.50 over aura4v4 (0.65). Over affine4
-    at 1 x 32K the FMA kernel was faster (0.66 against 0.84 ms), at 1 x 8K slower (0.56 against
-    0.30): in the engine, where a single stream's step is bound by the host, affine4 on the tensor
-    cores ran at 1.15 / 1.02 of raw at 8K / 32K, so it stays there. Four warps at head_dim 64, two at
-    128 (the padded tiles of raw K/V must fit 48 KB); tiles of 64 tokens, 128 for compressed K/V over
-    many rows at head_dim 64 (aura4v4 2.36 against 2.55 ms, affine4 2.63 against 2.74; not measured
-    at 128). Few rows (`rows < NUM_SMS`): four waves of blocks (short splits across every SM); many
-    rows: two, each block walking a long row. Elsewhere (float32 queries, head_dims other than 64 and
-    128, more than 16 query heads a kv head, a lane's codes not whole words) the FMA kernel, its rows
-    staged by `cp.async` (at 32 x 8K 3.0-3.8 ms against 3.6-4.4 loading straight to registers). GPUs
-    before compute capability 8.0 have neither `cp.async` nor `mma.m16n8k16`: they load straight into
-    registers, the next tile prefetched for many rows. Single-stream figures at 1 x 8K moved up to 2x
-    between runs of one shape on the lent hosts (clocks): the shapes were chosen on the 32K and
-    32 x 8K cases.
+    The tensor-core kernel wherever it serves the layer. At 32 streams x 8K (llama shape, 16 layers) it took
+    2.65 ms over raw K/V (best FMA kernel 3.38), 2.63 over affine4 (3.33) and 2.36 over aura4v4 (2.99); at 1 x
+    32K 0.49 over raw (FMA 1.25) and 0.50 over aura4v4 (0.65). Over affine4 at 1 x 32K the FMA kernel was faster
+    (0.66 against 0.84 ms), at 1 x 8K slower (0.56 against 0.30): in the engine, where a single stream's step is
+    bound by the host, affine4 on the tensor cores ran at 1.15 / 1.02 of raw at 8K / 32K, so it stays there.
+    Four warps at head_dim 64, two at 128 (the padded tiles of raw K/V must fit 48 KB); tiles of `16 * warps`
+    tokens, twice that for compressed K/V (each warp takes two 16-token chunks between barriers): over many rows
+    at head_dim 64 aura4v4 2.36 against 2.55 ms, affine4 2.63 against 2.74 (not measured at 128, so 128 keeps
+    its tiles there); at 1 x 32K (`ops/results/gpu_time_*_32k_long_tiles.json`, the engine's launches) aura8v4
+    25.9 against 27.5 us a layer and aura4v4 23.9 against 24.7 at head_dim 64, 44.0 against 45.1 and 39.3
+    against 41.0 at 128 (raw 24.5 and 47.3). Few rows (`rows < NUM_SMS`): four waves of blocks (short splits
+    across every SM); many rows: two, each block walking a long row. Elsewhere (float32 queries, head_dims other
+    than 64 and 128, more than 16 query heads a kv head, a lane's codes not whole words) the FMA kernel, its
+    rows staged by `cp.async` (at 32 x 8K 3.0-3.8 ms against 3.6-4.4 loading straight to registers). GPUs before
+    compute capability 8.0 have neither `cp.async` nor `mma.m16n8k16`: they load straight into registers, the
+    next tile prefetched for many rows. Single-stream figures at 1 x 8K moved up to 2x between runs of one shape
+    on the lent hosts (clocks): the shapes were chosen on the 32K and 32 x 8K cases.
     """
     wide = 16 if fmt.head_dim > 64 else 8
     many = rows >= NUM_SMS
     waves = 2 if many else 4
     if _compute_capability() < 8:
         return Tuning(dims_per_lane=wide, unroll=1, warps=4, waves=waves, prefetch=many)
-    long_tiles = many and not fmt.is_raw and fmt.head_dim <= 64  # measured at head_dim 64 only
+    long_tiles = not fmt.is_raw and (fmt.head_dim <= 64 or not many)
     return Tuning(dims_per_lane=wide, unroll=2 if long_tiles else 1, warps=4 if fmt.head_dim <= 64 else 2,
                   waves=waves, stages=4, mma=True)
 

@@ -321,10 +321,14 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
 #pragma unroll
       for (int g = 0; g < NG; ++g) {
         const float gain = tab[2 * NC + g];
-        int node = 1;  // thresholds breadth-first: a depth's probes land in distinct banks through depth 5
+        // thresholds breadth-first: a depth's probes land in distinct banks through depth 5. The node is
+        // kept as its byte offset (4 node), so a probe is a load, a product, a compare and one integer op.
+        const char* tree = reinterpret_cast<const char*>(tab);
+        int at = 4;
 #pragma unroll
-        for (int depth = 0; depth < BITS; ++depth) node = 2 * node + (tab[node] * gain < x[e] ? 1 : 0);
-        const int pos = node - NC;
+        for (int depth = 0; depth < BITS; ++depth)
+          at = 2 * at + (*reinterpret_cast<const float*>(tree + at) * gain < x[e] ? 4 : 0);
+        const int pos = at / 4 - NC;
         code[g][e] = pos;
         const float c = live ? tab[NC + pos] : 0.f;
         cu[g] = fmaf(c, x[e], cu[g]);

@@ -98,12 +98,14 @@ _PASS = _direct("ko + ((size_t)b * KV + (j - H)) * D", "vo + ((size_t)b * KV + (
 # MLX passes as const: see `split_qkv_rope_store` for why writing them is sound).
 _STORE_RAW = _direct("const_cast<T*>(kpool) + (size_t)wrows[b * KV + (j - H)] * D",
                      "const_cast<T*>(vpool) + (size_t)wrows[b * KV + (j - H - KV)] * D")
-# Coded: a key or value block stages its part's search table (`kernels.cuda_kv.codec_constants`) beside its
-# q/k/v loads, so both wait one memory latency together, then leaves its rotated vector in `y` for `_ENCODE`.
+# Coded: a key or value block stages its part's search table and rotation signs
+# (`kernels.cuda_kv.codec_constants`) beside its q/k/v loads, so all wait one memory latency together,
+# then leaves its rotated vector in `y` for `_ENCODE`.
 _CODE = {"VALUE_OUT": "y[i] = a;\n    y[i + NT] = c;", "KEY_OUT": "nullptr", "PROLOGUE": r"""
   constexpr int KT = table_floats(KMODE, KBITS, NG), VT = table_floats(VMODE, VBITS, NG);
   constexpr int TMAX = KT > VT ? KT : VT;
   __shared__ float stab[TMAX > 0 ? TMAX : 1];
+  __shared__ float ssign[D];
   if (!is_q) {  // block-uniform
     const int nt = is_k ? KT : VT;
     const float* tab = codec + 2 * D + (is_k ? 0 : KT);
@@ -112,32 +114,34 @@ _CODE = {"VALUE_OUT": "y[i] = a;\n    y[i + NT] = c;", "KEY_OUT": "nullptr", "PR
       const int t = i + u * NT;
       if (t < nt) stab[t] = tab[t];
     }
+    ssign[i] = codec[(is_k ? 0 : D) + i];
+    ssign[i + NT] = codec[(is_k ? 0 : D) + i + NT];
   }"""}
 
 # `_SOURCE` with ENC: key and value blocks then code their vector into its pool row: warp 0 (D >= 64,
 # so D / 2 >= 32 threads) holds dims [lane * E, lane * E + E) of `y` (E = D / 32), subtracts the key mean
-# (CENTER), and runs `encode_part` (`kernels.cuda_source`), exactly as `ENCODE` does on the same
-# values: a key and a value of one row are coded by two blocks into disjoint words and halves.
+# (CENTER, read before the barrier), and runs `encode_part` (`kernels.cuda_source`), exactly as `ENCODE`
+# does on the same values: a key and a value of one row are coded by two blocks into disjoint words and halves.
 _ENCODE = r"""
   if (is_q) return;  // block-uniform: no barrier follows for a query block
-  __syncthreads();  // y and the search table staged
-  if (i >= 32) return;
   constexpr int E = D / 32;
   const int h = is_k ? j - H : j - H - KV;
   float xe[E];
+  if (CENTER && is_k && i < 32) {  // off the path to the codes: no global read after the barrier
 #pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const int d = i * E + e;
-    xe[e] = y[d];
-    if (CENTER && is_k) xe[e] -= kmean[h * D + d];
+    for (int e = 0; e < E; ++e) xe[e] = kmean[h * D + i * E + e];
   }
+  __syncthreads();  // y, the signs and the search table staged
+  if (i >= 32) return;
+#pragma unroll
+  for (int e = 0; e < E; ++e) xe[e] = CENTER && is_k ? y[i * E + e] - xe[e] : y[i * E + e];
   __shared__ uint32_t sidx[D];
   uint32_t* row = const_cast<uint32_t*>(pool) + (size_t)wrows[b * KV + h] * ROWW;  // in place
   __half* meta = reinterpret_cast<__half*>(row + MOFF);
   if (is_k) {
-    encode_part<KMODE, KBITS, KGS, D, NG>(xe, i, codec, stab, sidx, row, meta);
+    encode_part<KMODE, KBITS, KGS, D, NG>(xe, i, ssign, stab, sidx, row, meta);
   } else {
-    encode_part<VMODE, VBITS, VGS, D, NG>(xe, i, codec + D, stab, sidx, row + KWORDS, meta + KMH);
+    encode_part<VMODE, VBITS, VGS, D, NG>(xe, i, ssign, stab, sidx, row + KWORDS, meta + KMH);
     if (PADMETA && i == 0) meta[KMH + VMH] = __float2half(0.f);
   }
 """
