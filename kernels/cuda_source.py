@@ -322,7 +322,7 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
       for (int g = 0; g < NG; ++g) {
         const float gain = tab[2 * NC + g];
         // thresholds breadth-first: a depth's probes land in distinct banks through depth 5. The node is
-        // kept as its byte offset (4 node), so a probe is a load, a product, a compare and one integer op.
+        // kept as its byte offset (4 node): the next probe's address needs no separate computation.
         const char* tree = reinterpret_cast<const char*>(tab);
         int at = 4;
 #pragma unroll
