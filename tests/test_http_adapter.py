@@ -23,9 +23,10 @@ from services.gateway.local import LocalClients
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pool import RequestPool
 from services.http.app import MAX_BODY_BYTES, HttpOptions, build_app
+from services.http.errors import KINDS
 from services.http.server import bind, make_server
 from shared import protocol as p
-from shared.errors import ErrorCode
+from shared.errors import ButtermilkError, ErrorCode
 
 GEOMETRY = p.Geometry(slots=4, capacity_tokens=1000, bytes_per_token=10, kv_cache="raw", max_context=64)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -83,6 +84,7 @@ def error_of(exc: openai.APIStatusError) -> dict:
 @pytest.mark.parametrize(("code", "extra", "error_class", "status", "kind", "should_retry"), [
     (ErrorCode.INTERNAL, {}, openai.InternalServerError, 500, "server_error", None),
     (ErrorCode.ENGINE_FAILED, {}, openai.InternalServerError, 503, "server_error", "true"),
+    (ErrorCode.UNAVAILABLE, {}, openai.InternalServerError, 503, "server_error", "true"),  # shutting down
     (ErrorCode.OVERLOADED, {"retry_after_ms": 250}, openai.RateLimitError, 429, "rate_limit_error", "true"),
     (ErrorCode.QUEUE_TIMEOUT, {}, openai.RateLimitError, 429, "rate_limit_error", "true"),
     (ErrorCode.CONTEXT_OVERFLOW, {}, openai.BadRequestError, 400, "invalid_request_error", "false"),
@@ -97,6 +99,20 @@ def test_core_errors_keep_their_status_shape_and_headers(code, extra, error_clas
     assert headers.get("x-should-retry") == should_retry
     if "retry_after_ms" in extra:
         assert headers["retry-after-ms"] == "250" and headers["retry-after"] == "1"
+
+
+def test_every_wire_code_has_an_http_kind_that_retries_as_the_code_says():
+    """Each `ErrorCode` maps to its own kind (none falls back to `internal`'s 500), retryable codes to a
+    429 or 503 with `x-should-retry: true`, the others to a kind that does not promise a retry."""
+    retryable = {cls.code for cls in ButtermilkError.__subclasses__() if cls.retryable}
+    assert retryable  # the classes name the retryable codes
+    for code in ErrorCode:
+        assert code in KINDS, code
+        kind = KINDS[code]
+        if code in retryable:
+            assert kind.status in (429, 503) and kind.should_retry is True, code
+        else:
+            assert kind.should_retry is not True, code
 
 
 def test_a_crash_in_the_adapter_is_a_logged_500():
@@ -140,6 +156,9 @@ def test_http_level_errors_are_in_openai_shape():
             (raw(url, "POST", "/v1/chat/completions", json.dumps({**CHAT, "n": 3}).encode()), 400, "bad_request", "n"),
             (raw(url, "POST", "/v1/chat/completions", json.dumps({**CHAT, "model": "x"}).encode()), 404,
              "model_not_found", "model"),
+            (raw(url, "POST", "/v1/completions", b'{"model": "m", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"), 400,
+             "bad_request", None),  # nests past Python's recursion limit
+            (raw(url, "DELETE", "/v1/sessions/" + "a" * 257), 400, "bad_request", "session_id"),  # ids: 256 at most
             (raw(url, "GET", "/v1/nowhere"), 404, "not_found", None),
             (raw(url, "GET", "/v1/chat/completions"), 405, "method_not_allowed", None),
         ]  # fmt: skip

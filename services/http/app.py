@@ -21,6 +21,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -28,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.gateway.metrics import GatewayMetrics
-from shared.errors import ErrorCode
+from shared.errors import ErrorCode, one_line
 from shared.logging import get_logger
 from shared.protocol import Done, Error, SessionClose, SessionClosed, Stats, StatsReply, Token
 
@@ -132,7 +133,11 @@ class Api:
     async def close_session(self, request: Request) -> Response:
         session_id = request.path_params["session_id"]
         self._check_serving()
-        reply = await self._control(SessionClose(session_id=session_id))
+        try:
+            close = SessionClose(session_id=session_id)
+        except ValidationError as exc:
+            raise ApiError.bad_request(one_line(exc), "session_id") from None
+        reply = await self._control(close)
         if isinstance(reply, Error):
             raise ApiError.from_wire(reply)
         if not isinstance(reply, SessionClosed):
@@ -249,7 +254,7 @@ async def _json(request: Request):
     """The request body as JSON, at most MAX_BODY_BYTES.
 
     Raises:
-        ApiError: 413 for a larger body, 400 for one that is not JSON.
+        ApiError: 413 for a larger body, 400 for one that is not JSON (or nests past Python's recursion limit).
     """
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > MAX_BODY_BYTES:
@@ -263,6 +268,8 @@ async def _json(request: Request):
         return json.loads(body)
     except ValueError as exc:
         raise ApiError.bad_request(f"the request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ApiError.bad_request("the request body is not valid JSON (nested too deeply)") from None
 
 
 def _too_large() -> ApiError:

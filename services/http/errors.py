@@ -35,7 +35,9 @@ KINDS: dict[str, Kind] = {
     ErrorCode.QUEUE_TIMEOUT: Kind(429, "rate_limit_error", True),
     ErrorCode.CAPACITY: Kind(429, "rate_limit_error", True),
     ErrorCode.ENGINE_FAILED: Kind(503, "server_error", True),
+    ErrorCode.UNAVAILABLE: Kind(503, "server_error", True),
     NOT_READY: Kind(503, "server_error", True),
+    ErrorCode.STALE_SLOT: Kind(500, "server_error", False),
     ErrorCode.INTERNAL: Kind(500, "server_error", None),
 }
 OPENAI_CODES = {ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded"}
