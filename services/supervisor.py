@@ -252,6 +252,9 @@ def check_client_address(address: str) -> None:
             raise AddressInUse(f"{address}: address already in use (is another buttermilk serve running?)")
         if path:
             return
+    port = address.rpartition(":")[2]
+    if address.startswith("tcp://") and port.isdigit() and int(port) > 65535:  # zmq would bind it modulo 65536
+        raise BadAddress(f"invalid --address {address!r}: port {port} is past 65535")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     try:

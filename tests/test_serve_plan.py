@@ -56,6 +56,16 @@ def test_gpu_without_a_gpu_is_refused_and_auto_falls_back(monkeypatch):
         serve.resolve_device("gpu:1", [])
     assert serve.resolve_device("auto", []) == "cpu" and serve.resolve_device("auto", ["0"]) == "gpu"
     assert serve.resolve_device("gpu", ["0"]) == "gpu" and serve.resolve_device("cpu", []) == "cpu"
+    for spec in ("tpu", "gpu:", "gpu:x", "cpu:0"):  # refused before any process starts
+        with pytest.raises(BadRequest, match="expected auto, cpu, gpu or gpu:N"):
+            serve.resolve_device(spec, ["0"])
+
+
+def test_a_tcp_port_past_65535_is_refused_not_wrapped():
+    from services.supervisor import BadAddress, check_client_address
+
+    with pytest.raises(BadAddress, match="port 99999 is past 65535"):  # zmq would listen on 34463
+        check_client_address("tcp://127.0.0.1:99999")
 
 
 @pytest.mark.model

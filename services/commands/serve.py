@@ -56,10 +56,14 @@ def resolve_device(spec: str, gpus: list[str]) -> str:
     """`auto` -> `gpu` where a GPU exists (CUDA, or Apple's Metal), else `cpu`; other specs as given.
 
     Raises:
-        BadRequest: a `gpu` spec on a machine without one (before any engine starts).
+        BadRequest: a spec other than auto, cpu, gpu or gpu:N, or a `gpu` spec on a machine without one
+            (before any engine starts).
     """
     import mlx.core as mx
 
+    kind, colon, index = spec.partition(":")
+    if spec not in ("auto", "cpu", "gpu") and not (kind == "gpu" and colon and index.isdigit()):
+        raise BadRequest(f"--device {spec!r}: expected auto, cpu, gpu or gpu:N")
     has_gpu = bool(gpus) or mx.is_available(mx.gpu)  # CUDA GPUs listed, or MLX's own GPU (Metal, CUDA)
     if spec == "auto":
         return "gpu" if has_gpu else "cpu"
