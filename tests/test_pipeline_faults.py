@@ -285,6 +285,9 @@ def test_serve_with_an_invalid_address_fails_fast(tmp_path):
         (("--temperature", "nan"), "temperature"),
         (("--seed", "-1"), "seed"),
         (("--stop", ""), "stop"),
+        (("--new-session",), "--new-session needs --session"),
+        (("--session", "", "--new-session"), "--new-session needs --session"),
+        (("--health", "--stats"), "--health and --stats"),
     ],
 )  # fmt: skip
 def test_client_usage_errors_are_one_line(flags, expected):

@@ -30,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, help=f"gateway endpoint (default $BUTTERMILK_ADDRESS or {DEFAULT_ADDRESS})")
     parser.add_argument("--prompt", help="prompt text")
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    parser.add_argument("--session", help="multi-turn session id (continues it; see --new-session)")
+    parser.add_argument("--session", help="multi-turn session id, continued by later requests on the same connection "
+                        "(a session without a lease ends with its connection, so each call of this command can only "
+                        "start one; the Python client and the HTTP API continue sessions)")  # fmt: skip
     parser.add_argument("--new-session", action="store_true", help="start --session with this prompt")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -65,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
         if not (math.isfinite(value) and value > 0):
             return _usage_error(f"{flag} must be a positive number of seconds, not {value}")
     validate_address(address)  # raises a one-line error (exit 2) for e.g. a missing tcp://
+    if args.health and args.stats:
+        return _usage_error("--health and --stats are separate calls: give one")
+    if args.new_session and not args.session:
+        return _usage_error("--new-session needs --session ID")
     options = None
     if not (args.health or args.stats):
         if not args.prompt:
