@@ -35,17 +35,29 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="buttermilk", description="Local LLM serving on MLX, built around its KV caches.")
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = {}  # name -> its subparser: an unknown flag is reported against its command's help
     for name, module in COMMANDS.items():
         mod = importlib.import_module(f"services.commands.{module}")
-        mod.add_arguments(sub.add_parser(name, help=mod.__doc__.splitlines()[0], description=mod.__doc__))
+        parser.commands[name] = sub.add_parser(name, help=mod.__doc__.splitlines()[0], description=mod.__doc__)
+        mod.add_arguments(parser.commands[name])
     return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; an unknown flag is a one-line error that points at `buttermilk COMMAND --help`
+    (argparse leaves unknown flags to the top parser, which would point at `buttermilk --help`). Exits 2."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point. Exit codes: 0 ok, 1 internal error, 2 user error (message on stderr)."""
     if argv is None:
         reexec_with_openblas("services.cli")
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     module = importlib.import_module(f"services.commands.{COMMANDS[args.command]}")
     try:
         return module.run(args)

@@ -102,6 +102,7 @@ def test_unknown_kv_cache_scheme_lists_choices():
     (("generate", "--prompt", "hi", "--max-context", "0"), "--max-context: Input should be greater than or equal to 1"),
     (("generate", "--prompt", "hi", "--kv-raw-layers", "x"), "argument --kv-raw-layers: expected comma-separated layer"),
     (("generate", "--max-tokens", "abc"), "argument --max-tokens: invalid int value"),
+    (("generate", "--prompt", "hi", "--bogus"), "unrecognized arguments: --bogus (see buttermilk generate --help)"),
 ])
 def test_user_errors_are_one_line(args, message):
     proc = buttermilk(*args, "--model", "default")
