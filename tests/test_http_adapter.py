@@ -154,6 +154,8 @@ def test_http_level_errors_are_in_openai_shape():
             (raw(url, "POST", "/v1/chat/completions", b"{not json"), 400, "bad_request", None),
             (raw(url, "POST", "/v1/chat/completions", b"x" * (MAX_BODY_BYTES + 1)), 413, "request_too_large", None),
             (raw(url, "POST", "/v1/chat/completions", json.dumps({**CHAT, "n": 3}).encode()), 400, "bad_request", "n"),
+            (raw(url, "POST", "/v1/chat/completions", json.dumps({**CHAT, "top_k": -5}).encode()), 400, "bad_request",
+             "top_k"),  # 0 and -1 mean off; below that is a mistake
             (raw(url, "POST", "/v1/chat/completions", json.dumps({**CHAT, "model": "x"}).encode()), 404,
              "model_not_found", "model"),
             (raw(url, "POST", "/v1/completions", b'{"model": "m", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"), 400,

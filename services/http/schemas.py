@@ -47,7 +47,7 @@ class CommonRequest(Loose):
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = None  # extension; 0 or -1 disables it (vLLM's spelling)
+    top_k: int | None = Field(None, ge=-1)  # extension; 0 or -1 disables it (vLLM's spelling)
     n: int = 1
     stop: str | list[str] | None = None
     seed: int | None = None
