@@ -9,7 +9,6 @@ processes. Every gateway, controller and engine setting can be given here too.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -115,6 +114,8 @@ def build_plan(args: argparse.Namespace, run_dir: Path):
         BadRequest: `--max-context` past the model's advertised context, a bad window, or
             `--device gpu` without a GPU (all checked before anything starts).
     """
+    from mlx_lm.utils import load_config
+
     from services.engine.cache.schemes import check_scheme
     from services.engine.model.loader import LoadedModel
     from services.engine.model.paths import resolve_model
@@ -131,7 +132,7 @@ def build_plan(args: argparse.Namespace, run_dir: Path):
     device = resolve_device(serve.device, gpus)
     dtype = weights_dtype(model.dtype, "cpu" if device == "cpu" else "gpu")
     path = resolve_model(model.model, dtype=dtype)  # converts a GGUF once, here, not per engine
-    config = json.loads((path / "config.json").read_text())
+    config = load_config(path)  # as the gateway reads it
     cache_options(model, LoadedModel(model=None, tokenizer=None, path=path, config=config))  # --max-context, window
     given = {n: v for n, v in vars(args).items() if v is not None}
     ipc = {"engine_cmd_address": f"ipc://{run_dir}/engine-cmd",
