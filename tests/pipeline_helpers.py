@@ -13,13 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ops.serving import child_pids, free_tcp_address, free_tcp_port, is_alive
+from services.engine.service import SNAPSHOT_EVERY_S
 from shared.client import AsyncClient, ServerError
+from shared.protocol_internal import HEARTBEAT_S
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 180.0
 SERVER_FLAGS = ("--capacity-tokens", "4096", "--max-slots", "8", "--step-token-budget", "256",
                 "--max-context", "256")  # fmt: skip
 MAX_CONTEXT = 256
+SETTLE_S = SNAPSHOT_EVERY_S + HEARTBEAT_S + 0.3  # an engine report sent after this began was made after it
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.1) -> None:
@@ -121,15 +124,26 @@ def is_idle(stats, *, sessions: int = 0) -> bool:
 
 
 async def wait_idle(address: str, *, sessions: int = 0, timeout_s: float = 10.0):
-    """Poll `stats` until the server is idle; returns the last stats (raises on timeout)."""
+    """Poll `stats` until the server is idle and its engines' figures have settled; returns the last stats.
+
+    Engines relay their figures (slots, KV tokens, prefix-cache counters) by heartbeat, refreshed
+    every `SNAPSHOT_EVERY_S` and sent every `HEARTBEAT_S`, so one idle reply may predate work that
+    ended just before it. Two idle replies `SETTLE_S` apart with equal engine figures mean every
+    report now postdates the first reply. Raises AssertionError on timeout.
+    """
     deadline = time.monotonic() + timeout_s
+    settled = None  # the previous idle reply
     while True:
         stats = await stats_of(address)
-        if is_idle(stats, sessions=sessions):
+        if not is_idle(stats, sessions=sessions):
+            settled = None
+        elif settled is not None and settled.engines == stats.engines:
             return stats
+        else:
+            settled = stats
         if time.monotonic() > deadline:
             raise AssertionError(f"server not idle after {timeout_s} s: {stats}")
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(SETTLE_S if settled is not None else 0.2)
 
 
 def reference_generation(loaded, token_ids: list[int], max_tokens: int, max_context: int = MAX_CONTEXT):
