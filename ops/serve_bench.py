@@ -10,7 +10,9 @@ timeout still leaves data):
 - `kill` (E ≥ 2): `ops.serve_kill`, one engine SIGKILLed under load.
 
 Per level: TTFT, inter-token latency (ITL) and time per output token (TPOT) p50/p95 in ms,
-aggregate completion tok/s. With both `core` and `serve` in `--out`, `overhead` gives the
+aggregate completion tok/s; through `serve`, also each process's CPU time over the level (gateway,
+controller, each engine: seconds, cores busy, µs per completion token), which tells a gateway that
+caps the aggregate from engines that do. With both `core` and `serve` in `--out`, `overhead` gives the
 pipeline's cost per token over the engine core at each level: `(core tok/s / serve tok/s − 1)`
 in percent, and the TPOT p50 difference in ms. Levels run while `--deadline-s` allows.
 
@@ -35,6 +37,7 @@ from pathlib import Path
 
 from ops.serve_kill import KILL_WAVE
 from ops.serve_load import Workload, summarize
+from ops.serving import cpu_seconds, serve_roles
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,6 +136,9 @@ def summary_lines(data: dict) -> list[str]:
                          f"{lvl['ttft_ms']['p50']}/{lvl['ttft_ms']['p95']} ms, TPOT p50/p95 "
                          f"{lvl['tpot_ms']['p50']}/{lvl['tpot_ms']['p95']} ms, ITL p95 {lvl['itl_ms']['p95']} ms, "
                          f"failed {lvl['failed']}")  # fmt: skip
+            if lvl.get("cpu"):
+                lines.append("    cpu: " + ", ".join(f"{role} {c['cores_busy']} cores, {c['us_per_token']} µs/token"
+                                                    for role, c in lvl["cpu"].items()))  # fmt: skip
     lines += [f"overhead c={r['concurrency']}: {r['cost_per_token_pct']}% per token" for r in data.get("overhead", [])]
     lines += [f"scaling {r['run']} c={r['concurrency']}: x{r['ratio']}" for r in data.get("scaling", [])]
     for key in [k for k, v in data.items() if k.startswith("kill") and isinstance(v, dict) and "checks" in v]:
@@ -210,6 +216,7 @@ def phase_serve(args, report: Report, deadline: float, server) -> None:
     try:
         peaks: dict[str, int] = {}  # engine id -> most requests it held at once (sampled)
         per_request = args.prompt_tokens + args.max_tokens
+        cpu: dict[str, tuple[float, float]] = {}  # role -> CPU seconds before and after the last run
 
         def sample() -> None:
             for e in server.stats().engines:
@@ -217,16 +224,50 @@ def phase_serve(args, report: Report, deadline: float, server) -> None:
 
         def run_one(w, c):
             peaks.clear()
-            return load.run_level(w, c, on_wait=sample)
+            roles = serve_roles(server.proc.pid)
+            before = cpu_use(roles)
+            records = load.run_level(w, c, on_wait=sample)
+            after = cpu_use(roles)
+            cpu.clear()
+            cpu.update({role: (before[role], after[role]) for role in before.keys() & after.keys()})
+            return records
 
         def on_level(levels):
             levels[-1]["peak_requests_per_engine"] = dict(peaks)
+            levels[-1]["cpu"] = cpu_table(cpu, levels[-1]["wall_s"], levels[-1]["completion_tokens"])
             report.put(key, {**info, "levels": levels})
 
         levels = run_levels(args, run_one, deadline, on_level)
     finally:
         load.close()
     report.put(key, {**info, "levels": levels})
+
+
+def cpu_use(roles: dict[str, int]) -> dict[str, float]:
+    """CPU seconds used so far by each live process of `roles` (role -> pid); gone ones are left out."""
+    used = {}
+    for role, pid in roles.items():
+        try:
+            used[role] = cpu_seconds(pid)
+        except OSError:
+            continue
+    return used
+
+
+def cpu_table(cpu: dict[str, tuple[float, float]], wall_s: float, tokens: int) -> dict[str, dict]:
+    """Per serve process over one level: CPU seconds, cores busy (CPU over wall time) and µs per token.
+
+    Args:
+        cpu: role -> CPU seconds (user + system) before and after the level.
+        wall_s: the level's wall time, seconds.
+        tokens: completion tokens the level streamed.
+    """
+    table = {}
+    for role, (before, after) in sorted(cpu.items()):
+        used = after - before
+        table[role] = {"cpu_s": round(used, 3), "cores_busy": round(used / wall_s, 3) if wall_s > 0 else None,
+                       "us_per_token": round(used * 1e6 / tokens, 1) if tokens else None}  # fmt: skip
+    return table
 
 
 def phase_kill(args, report: Report, server) -> None:

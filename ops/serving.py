@@ -56,6 +56,36 @@ def is_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads, seconds) the live process `pid` has used, from /proc.
+
+    Raises:
+        OSError: no such process.
+    """
+    fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (stat 14, 15)
+
+
+def serve_roles(pid: int) -> dict[str, int]:
+    """The children of `buttermilk serve` (pid `pid`) by role: gateway, controller, engine e0, ...
+
+    A child's role is its `services.cli` command, and an engine's its `--engine-id`.
+    """
+    roles = {}
+    for child in child_pids(pid):
+        try:
+            argv = (Path("/proc") / str(child) / "cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if "services.cli" not in argv or argv.index("services.cli") + 1 >= len(argv):
+            continue
+        role = argv[argv.index("services.cli") + 1]
+        if role == "engine" and "--engine-id" in argv[:-1]:
+            role = f"engine {argv[argv.index('--engine-id') + 1]}"
+        roles[role] = child
+    return roles
+
+
 async def engines_live(address: str, timeout_s: float = 2.0) -> int:
     """How many engines the gateway at `address` counts as live (0 when it does not answer)."""
     try:

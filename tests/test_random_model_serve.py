@@ -6,12 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 from ops.random_model import TINY, write_random_model
+from ops.serve_bench import cpu_table
 from ops.serve_load import RequestRecord, summarize
 from ops.serve_process import ServeProcess
+from ops.serving import cpu_seconds, serve_roles
 
 MAX_CONTEXT = 256
 
@@ -69,6 +73,7 @@ def test_serve_answers_token_ids_like_in_process_generation_and_shows_the_device
     try:
         server.wait_ready(120)
         done, stats = asyncio.run(ask())
+        roles = serve_roles(server.proc.pid)
     finally:
         assert server.stop() == 0, (tmp_path / "serve.log").read_text()[-3000:]
     _, expected_ids, _ = reference_generation(load_model(str(folder), dtype="float32"), prompt, 12, MAX_CONTEXT)
@@ -76,6 +81,28 @@ def test_serve_answers_token_ids_like_in_process_generation_and_shows_the_device
     assert done.text == "".join(f" t{t}" for t in expected_ids)  # words after the prompt's, space-separated
     [engine] = stats.engines
     assert (engine.device, engine.cuda_visible_devices, engine.epoch) == ("cpu", "7", 0)
+    assert set(roles) == {"gateway", "controller", "engine e0"} and roles["engine e0"] == engine.pid
+
+
+def test_cpu_seconds_reads_what_the_process_itself_counts():
+    """/proc's user + system time of a child equals its own `time.process_time()` (10 ms ticks)."""
+    burn = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n" \
+           "print(time.process_time(), flush=True)\nsys.stdin.read()"  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        own = float(child.stdout.readline())  # the child now blocks on stdin, using no CPU
+        assert abs(cpu_seconds(child.pid) - own) <= 0.03 and own >= 0.3
+    finally:
+        child.communicate("")
+    with pytest.raises(OSError):
+        cpu_seconds(child.pid)  # reaped
+
+
+def test_cpu_table_figures():
+    # 0.5 s of gateway CPU over a 2 s level of 10,000 tokens: a quarter core, 50 µs a token.
+    table = cpu_table({"gateway": (1.0, 1.5), "engine e0": (3.0, 5.0)}, wall_s=2.0, tokens=10_000)
+    assert table == {"engine e0": {"cpu_s": 2.0, "cores_busy": 1.0, "us_per_token": 200.0},
+                     "gateway": {"cpu_s": 0.5, "cores_busy": 0.25, "us_per_token": 50.0}}  # fmt: skip
 
 
 def test_level_summary_figures():
