@@ -37,7 +37,7 @@ from pathlib import Path
 
 from ops.serve_kill import KILL_WAVE
 from ops.serve_load import Workload, summarize
-from ops.serving import cpu_seconds, serve_roles
+from ops.serving import cpu_seconds, engine_table, serve_roles
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -208,8 +208,6 @@ def serve_flags(args) -> list[str]:
 def phase_serve(args, report: Report, deadline: float, server) -> None:
     """Closed-loop levels through the gateway; each engine's peak slots per level."""
     from ops.serve_load import WireLoad
-    from ops.serve_process import engine_table
-
     key = f"serve_e{args.engines}{args.label}"
     info = {"engines": engine_table(server.stats()), "settings": sizes(args), "ready_s": server.ready_s}
     load = WireLoad(server.address, max(args.concurrency))
@@ -301,7 +299,7 @@ def guarded(report: Report, key: str, phase) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ops.serve_process import ServeProcess
+    from ops.serving import ServeProcess
 
     args = parse_args(argv)
     # `timeout` sends SIGTERM: unwind through the `finally` blocks so serve and clients stop too.
@@ -313,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         guarded(report, "core", lambda: phase_core(args, report, deadline))
     if "serve" in phases or "kill" in phases:
         log = args.out.with_name(f"{args.out.stem}.serve_e{args.engines}{args.label}.log")
-        server = ServeProcess(serve_flags(args), args.engines, log)
+        server = ServeProcess.launch(serve_flags(args), engines=args.engines, log_path=log)
         try:
             run_server_phases(args, report, deadline, server, phases)
         finally:

@@ -21,7 +21,7 @@ import signal
 import time
 
 from ops.serve_load import RequestRecord, Workload, finish_record, wire_request
-from ops.serve_process import engine_table
+from ops.serving import engine_table
 
 KILL_WAVE = 8  # requests sent while the killed engine restarts
 

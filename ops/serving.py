@@ -1,7 +1,8 @@
-"""A `buttermilk serve` process for ops scripts: start it on loopback, find its children, stop it.
+"""A `buttermilk serve` process for ops scripts and tests: start it on loopback, find its children
+and their CPU time, ask its stats, stop it.
 
     with ServeProcess.start(["--engines", "2"], log_path=Path("serve.log")) as server:
-        ... server.address, server.children() ...
+        ... server.address, server.children(), server.stats() ...
 """
 
 from __future__ import annotations
@@ -96,38 +97,70 @@ async def engines_live(address: str, timeout_s: float = 2.0) -> int:
 
 
 class ServeProcess:
-    """`buttermilk serve` on a free loopback port, in its own process group.
+    """`buttermilk serve` on a free loopback port, in its own process group, the HTTP API off.
+
+    `start` launches it and waits until every engine is live; `launch` only launches (then
+    `wait_ready`). With a log path, serve's pid is written beside it (`.pid`), so a wrapper
+    script can stop the group should the driving process be SIGKILLed.
 
     Args:
         proc (subprocess.Popen): the supervisor.
         address (str): the gateway's client endpoint.
         num_engines (int): engines it runs.
+        log_path (Path | None): its stdout and stderr (None: discarded).
     """
 
-    def __init__(self, proc: subprocess.Popen, address: str, num_engines: int, run_dir: Path):
-        self.proc, self.address, self.num_engines, self.run_dir = proc, address, num_engines, run_dir
+    def __init__(self, proc: subprocess.Popen, address: str, num_engines: int, log_path: Path | None = None):
+        self.proc, self.address, self.num_engines, self.log_path = proc, address, num_engines, log_path
+        self.pid_path = log_path.with_suffix(".pid") if log_path else None
+        if self.pid_path:
+            self.pid_path.write_text(f"{proc.pid}\n")
+
+    @classmethod
+    def launch(cls, flags: list[str], *, engines: int = 1, log_path: Path | None = None) -> ServeProcess:
+        """Start serve with `flags` (the default model unless they name one); do not wait."""
+        address = free_tcp_address()
+        run_dir = Path(tempfile.mkdtemp(prefix="buttermilk-ops-")) / "run"
+        argv = [sys.executable, "-m", "services.cli", "serve", "--model", "default", "--address", address,
+                "--engines", str(engines), "--run-dir", str(run_dir), "--http-address", "off", *flags]  # fmt: skip
+        with open(log_path, "ab") if log_path else open(os.devnull, "wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return cls(proc, address, engines, log_path)
 
     @classmethod
     def start(cls, flags: list[str], *, engines: int = 1, log_path: Path | None = None) -> ServeProcess:
-        """Start the server and wait until every engine is live.
+        """`launch`, then wait until every engine is live.
 
         Raises:
-            RuntimeError: it exited or did not become ready within START_TIMEOUT_S.
+            RuntimeError: it exited or did not become ready within START_TIMEOUT_S (it is killed).
         """
-        address = free_tcp_address()
-        run_dir = Path(tempfile.mkdtemp(prefix="buttermilk-ops-"))
-        argv = [sys.executable, "-m", "services.cli", "serve", "--model", "default", "--address", address,
-                "--engines", str(engines), "--run-dir", str(run_dir / "run"), *flags]  # fmt: skip
-        log = open(log_path, "wb") if log_path else subprocess.DEVNULL
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        server = cls(proc, address, engines, run_dir)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while asyncio.run(engines_live(address)) < engines:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                raise RuntimeError(f"buttermilk serve did not start (status {proc.poll()})")
-            time.sleep(0.5)
+        server = cls.launch(flags, engines=engines, log_path=log_path)
+        try:
+            server.wait_ready(START_TIMEOUT_S)
+        except RuntimeError:
+            server.kill()
+            raise
         return server
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Block until every engine is live; returns the seconds it took.
+
+        Raises:
+            RuntimeError: serve exited, or was not ready within `timeout_s`.
+        """
+        start = time.monotonic()
+        where = f"; see {self.log_path}" if self.log_path else ""
+        while asyncio.run(engines_live(self.address)) < self.num_engines:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"buttermilk serve exited with status {self.proc.returncode}{where}")
+            if time.monotonic() - start > timeout_s:
+                raise RuntimeError(f"buttermilk serve was not ready within {timeout_s} s{where}")
+            time.sleep(0.5)
+        return time.monotonic() - start
+
+    def stats(self):
+        """The gateway's `stats` reply (`shared.protocol.StatsReply`)."""
+        return asyncio.run(_ask(self.address, "stats"))
 
     def __enter__(self) -> ServeProcess:
         return self
@@ -146,6 +179,8 @@ class ServeProcess:
                 self.proc.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 self.kill()
+        if self.pid_path:
+            self.pid_path.unlink(missing_ok=True)
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -155,3 +190,15 @@ class ServeProcess:
             except OSError:
                 pass
         self.proc.wait()
+
+
+async def _ask(address: str, verb: str):
+    async with AsyncClient(address) as client:
+        return await getattr(client, verb)(timeout_s=2.0)
+
+
+def engine_table(stats) -> list[dict]:
+    """Per engine: id, epoch, pid, device and CUDA_VISIBLE_DEVICES, as `stats` shows them."""
+    return [{"engine_id": e.engine_id, "epoch": e.epoch, "pid": e.pid, "device": e.device,
+             "cuda_visible_devices": e.cuda_visible_devices, "capacity_tokens": e.capacity_tokens,
+             "max_slots": e.max_slots} for e in stats.engines]  # fmt: skip

@@ -14,8 +14,7 @@ import pytest
 from ops.random_model import TINY, write_random_model
 from ops.serve_bench import cpu_table
 from ops.serve_load import RequestRecord, summarize
-from ops.serve_process import ServeProcess
-from ops.serving import cpu_seconds, serve_roles
+from ops.serving import ServeProcess, cpu_seconds, serve_roles
 
 MAX_CONTEXT = 256
 
@@ -59,9 +58,9 @@ def test_serve_answers_token_ids_like_in_process_generation_and_shows_the_device
     prompt = [(7 * i + 3) % TINY["vocab_size"] for i in range(40)]
     os.environ["CUDA_VISIBLE_DEVICES"] = "7"  # inherited by the engine: stats must relay its value
     try:
-        server = ServeProcess(["--model", str(folder), "--device", "cpu", "--dtype", "float32", "--max-context",
-                               str(MAX_CONTEXT), "--capacity-tokens", "1024", "--max-slots", "4"], 1,
-                              tmp_path / "serve.log")  # fmt: skip
+        server = ServeProcess.launch(["--model", str(folder), "--device", "cpu", "--dtype", "float32",
+                                      "--max-context", str(MAX_CONTEXT), "--capacity-tokens", "1024",
+                                      "--max-slots", "4"], log_path=tmp_path / "serve.log")  # fmt: skip
     finally:
         del os.environ["CUDA_VISIBLE_DEVICES"]
 
