@@ -60,6 +60,11 @@ class ContextOverflow(ButtermilkError):
         self.num_tokens = num_tokens
         self.max_context = max_context
 
+    @classmethod
+    def no_room(cls, prompt_tokens: int, max_context: int, what: str = "prompt") -> ContextOverflow:
+        """A prompt of `prompt_tokens` tokens that leaves no room for one generated token."""
+        return cls(prompt_tokens + 1, max_context, f"{what} ({prompt_tokens} tokens) plus one generated token")
+
 
 class Overloaded(ButtermilkError):
     """The server cannot queue more work now; retry after `retry_after_ms` milliseconds."""

@@ -21,7 +21,8 @@ import zmq
 import zmq.asyncio
 
 from shared.client import AsyncClient, ServerError
-from shared.errors import ErrorCode
+from services.engine.request import cap_max_tokens
+from shared.errors import ContextOverflow, ErrorCode
 from services.eval.corpus import corpus_token_ids
 from shared.protocol import MAX_FRAME_BYTES, Error, decode
 
@@ -191,11 +192,17 @@ def test_context_overflow_and_max_tokens_cap(server):
         async with AsyncClient(server.address) as client:
             with pytest.raises(ServerError) as overflow:
                 await client.generate(prompt="word " * (MAX_CONTEXT + 10), max_tokens=4)
+            with pytest.raises(ServerError) as full:
+                await client.generate(token_ids=[28120] * MAX_CONTEXT, max_tokens=4)
             capped = await client.generate(token_ids=[28120] * (MAX_CONTEXT - 6), max_tokens=100)
-            return overflow.value, capped
+            return overflow.value, full.value, capped
 
-    overflow, capped = run(main())
+    overflow, full, capped = run(main())
     assert overflow.code == ErrorCode.CONTEXT_OVERFLOW and str(MAX_CONTEXT) in overflow.message
+    with pytest.raises(ContextOverflow) as local:  # in-process generation counts the same tokens
+        cap_max_tokens(MAX_CONTEXT, 4, MAX_CONTEXT)
+    assert full.message == str(local.value)
+    assert f"prompt ({MAX_CONTEXT} tokens) plus one generated token needs {MAX_CONTEXT + 1} tokens" in full.message
     assert capped.usage.completion_tokens <= 6 and capped.usage.prompt_tokens == MAX_CONTEXT - 6
     for args, code in ((["--prompt", "word " * (MAX_CONTEXT + 10)], "context_overflow"),
                        (["--prompt", "hi", "--session", "never-opened"], "bad_request")):

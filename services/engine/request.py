@@ -54,7 +54,7 @@ def cap_max_tokens(prompt_tokens: int, max_tokens: int, max_context: int) -> int
     if prompt_tokens == 0:
         raise BadRequest("the prompt is empty: nothing to generate from")
     if prompt_tokens >= max_context:
-        raise ContextOverflow(prompt_tokens, max_context)
+        raise ContextOverflow.no_room(prompt_tokens, max_context)
     return min(max_tokens, max_context - prompt_tokens)
 
 

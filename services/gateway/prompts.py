@@ -81,8 +81,7 @@ class Prompter:
             raise BadRequest("the input encodes to no tokens")
         context = len(token_ids) + (turn.context_tokens if turn else 0)
         if context >= self.max_context:
-            what = "session history plus input" if turn else "prompt"
-            raise ContextOverflow(context + 1, self.max_context, what)
+            raise ContextOverflow.no_room(context, self.max_context, "session history plus input" if turn else "prompt")
         cap = min(msg.max_tokens, self.max_tokens_cap, self.max_context - context)
         return Prompt(token_ids=token_ids, context_tokens=context, max_tokens=cap)
 
