@@ -38,6 +38,10 @@ def test_prompt_longer_than_context_names_both_numbers():
     assert proc.returncode == 2
     assert "6 tokens" in proc.stderr and "4 tokens" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # Past the model's 8,192 positions: our one-line error, no warning from transformers' tokenizer.
+    proc = buttermilk("generate", "--model", "default", "--prompt", "word " * 9000)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "prompt (9001 tokens) plus one generated token needs 9002 tokens" in proc.stderr
 
 
 @pytest.mark.parametrize("model", ["/nonexistent/model", "tests/conftest.py"])
@@ -97,6 +101,7 @@ def test_unknown_kv_cache_scheme_lists_choices():
 @pytest.mark.parametrize(("args", "message"), [
     (("generate", "--prompt", "hi", "--seed", "-1"), "--seed: Input should be greater than or equal to 0"),
     (("generate", "--prompt", ""), "the prompt is empty"),
+    (("generate", "--prompt", "hi", "--top-k", "-3"), "--top-k -3: expected a positive count, or 0 to turn it off"),
     (("generate", "--prompt", "hi", "--temperature", "nan"), "--temperature: Input should be a finite number"),
     (("inspect", "--kv-cache", "aura11v9"), "--kv-cache"),
     (("generate", "--prompt", "hi", "--max-context", "0"), "--max-context: Input should be greater than or equal to 1"),

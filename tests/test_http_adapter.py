@@ -156,6 +156,8 @@ def test_http_level_errors_are_in_openai_shape():
             (raw(url, "POST", "/v1/chat/completions", json.dumps({**CHAT, "n": 3}).encode()), 400, "bad_request", "n"),
             (raw(url, "POST", "/v1/chat/completions", json.dumps({**CHAT, "top_k": -5}).encode()), 400, "bad_request",
              "top_k"),  # 0 and -1 mean off; below that is a mistake
+            (raw(url, "POST", "/v1/chat/completions", json.dumps({**CHAT, "temperature": float("nan")}).encode()), 400,
+             "bad_request", "temperature"),  # Python's json writes and reads NaN
             (raw(url, "POST", "/v1/chat/completions", json.dumps({**CHAT, "model": "x"}).encode()), 404,
              "model_not_found", "model"),
             (raw(url, "POST", "/v1/completions", b'{"model": "m", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"), 400,
@@ -166,6 +168,8 @@ def test_http_level_errors_are_in_openai_shape():
         ]  # fmt: skip
         for (status, headers, body), want_status, want_code, want_param in cases:
             assert status == want_status and headers["x-should-retry"] == "false"
+            if want_param == "temperature":
+                assert "finite number" in body["error"]["message"], body
             assert body["error"]["code"] == want_code and body["error"]["param"] == want_param
             assert set(body["error"]) == {"message", "type", "param", "code"}
 

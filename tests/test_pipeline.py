@@ -275,6 +275,15 @@ def test_second_serve_on_the_same_address_fails_cleanly(server, tmp_path):
     assert run(stats_of(server.address)).engines  # the first server is untouched
 
 
+def test_a_deadline_mid_stream_puts_the_error_on_its_own_line(server):
+    proc = cli("client", "--address", server.address, "--prompt", "Once upon a time", "--max-tokens", "200",
+               "--timeout", "1.5")  # fmt: skip  (~15 tokens/s on a CPU: the deadline comes mid-stream)
+    assert proc.returncode == 1 and proc.stderr.startswith("buttermilk: timeout: request"), proc.stderr
+    assert proc.stdout.strip() and proc.stdout.endswith("\n"), proc.stdout
+    assert not any(n in proc.stderr for n in NOISE), proc.stderr
+    run(wait_idle(server.address))  # the cancelled request returned what it held
+
+
 def test_ctrl_c_on_client_cancels_its_request(server):
     argv = [sys.executable, "-m", "services.cli", "client", "--address", server.address,
             "--prompt", "Once upon a time, in a small village, there lived", "--max-tokens", "200"]  # fmt: skip

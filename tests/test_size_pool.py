@@ -104,6 +104,18 @@ def test_pool_size_command_prints_figures_for_the_workload():
     assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
 
 
+def test_pool_size_workload_past_the_context():
+    geometry = ["--memory-gib", "1", "--n-layers", "30", "--n-kv-heads", "3", "--head-dim", "64", "--schemes", "raw",
+                "--context", "4096"]  # fmt: skip
+    capped = cli("pool-size", *geometry, "--prompt-tokens", "1000", "--output-tokens", "5000", "--json")
+    assert capped.returncode == 0, capped.stderr  # the server stops every request at the context: 4,096 tokens
+    assert json.loads(capped.stdout)["workload"]["tokens_per_request"] == {"context": 4096, "mean": 4096, "worst": 4096}
+    for flags, message in ((["--prompt-tokens", "4096"], "a prompt of 4096 tokens leaves no room to generate"),
+                           (["--concurrency", "-1"], "--concurrency -1: expected requests >= 0")):
+        proc = cli("pool-size", *geometry, *flags)
+        assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
 @pytest.fixture(scope="module")
 def predictions() -> dict[str, dict]:
     """`buttermilk pool-size` for 0.05 GiB and the default model, every named scheme, by scheme."""

@@ -73,8 +73,10 @@ def run(args: argparse.Namespace) -> int:
         return _usage_error("--new-session needs --session ID")
     options = None
     if not (args.health or args.stats):
-        if not args.prompt:
+        if args.prompt is None:
             return _usage_error("--prompt is required (or --health / --stats)")
+        if not args.prompt:
+            return _usage_error("--prompt is empty: nothing to generate from")
         options = _options(args)
         AsyncClient.build_generate(request_id="check", **options)  # one-line ProtocolError (exit 2)
 
@@ -154,6 +156,8 @@ async def _generate(client, args: argparse.Namespace, options: dict) -> int:
     import asyncio
     import signal
 
+    from shared.client import ServerError
+
     stream = await client.stream(timeout_s=args.timeout, **options)
     loop = asyncio.get_running_loop()
     reader = asyncio.current_task()
@@ -178,6 +182,10 @@ async def _generate(client, args: argparse.Namespace, options: dict) -> int:
             if not args.json:
                 sys.stdout.write(token.text)
                 sys.stdout.flush()
+    except (ServerError, TimeoutError, _Unreachable):
+        if texts and not args.json:
+            print()  # the error line starts on a line of its own
+        raise
     except asyncio.CancelledError:
         if not interrupted:
             raise

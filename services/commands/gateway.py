@@ -34,7 +34,7 @@ def build_core(settings: GatewaySettings, observer=None):
     from mlx_lm.utils import load_config, load_tokenizer
 
     from services.engine.dtypes import resolve_dtype
-    from services.engine.model.loader import LoadedModel
+    from services.engine.model.loader import LoadedModel, lift_length_limit
     from services.engine.model.paths import resolve_model
     from services.engine.runtime import cache_options
     from services.gateway.clients import ClientLimits
@@ -48,6 +48,7 @@ def build_core(settings: GatewaySettings, observer=None):
     try:
         config = load_config(path)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        lift_length_limit(tokenizer)
     except (OSError, ValueError) as exc:
         raise ModelNotFound(f"could not load the tokenizer from {path}: {exc}") from exc
     # A LoadedModel without weights: the same context rules as the engines.

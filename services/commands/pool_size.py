@@ -98,9 +98,15 @@ def build_report(args: argparse.Namespace, *, schemes: list[str]) -> dict:
     memory = sizing.budget_bytes(memory_gib=args.memory_gib, memory_fraction=args.memory_fraction,
                                  device_memory=_device_memory(args) if args.memory_fraction else None)  # fmt: skip
     prompt, output = TokenCounts.parse(args.prompt_tokens), TokenCounts.parse(args.output_tokens)
+    if prompt.max >= context:
+        raise ValueError(f"a prompt of {prompt.max} tokens leaves no room to generate in the context of "
+                         f"{context} tokens (--context): the server refuses it")  # fmt: skip
+    if args.concurrency < 0:
+        raise ValueError(f"--concurrency {args.concurrency}: expected requests >= 0")
     lengths = {"context": context}
-    if prompt.max + output.max > 0:  # a workload was given
-        lengths |= {"mean": max(1, round(prompt.mean + output.mean)), "worst": min(context, prompt.max + output.max)}
+    if prompt.max + output.max > 0:  # a workload was given; the server caps output at the context
+        worst = min(context, prompt.max + output.max)
+        lengths |= {"mean": min(worst, max(1, round(prompt.mean + output.mean))), "worst": worst}
     worst = lengths.get("worst", context)
     raw_layers = frozenset(args.kv_raw_layers)
     for scheme in schemes:

@@ -67,9 +67,23 @@ def load_model(spec: str, *, dtype: str = "auto") -> LoadedModel:
     except Exception as exc:  # mlx-lm raises several kinds for a broken folder
         raise ModelNotFound(f"could not load model from {path}: {exc}") from exc
     attention.install()  # rebinds in the model module mlx-lm just imported
+    lift_length_limit(tokenizer)
     float_params = [p for _, p in nn.utils.tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)]
     if float_params and float_params[0].dtype != DTYPES[dtype]:
         model.set_dtype(DTYPES[dtype])
     mx.eval(model.parameters())
     config = json.loads((path / "config.json").read_text())
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, config=config)
+
+
+def lift_length_limit(tokenizer) -> None:
+    """Let a tokenizer encode any length without transformers' "longer than the specified maximum
+    sequence length" warning: `--max-context` decides what fits, and an overflow is refused with
+    its own error.
+
+    Args:
+        tokenizer: an mlx-lm `TokenizerWrapper` (or a Hugging Face tokenizer).
+    """
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    if hasattr(hf, "model_max_length"):
+        hf.model_max_length = int(1e30)  # transformers' own "no limit" (VERY_LARGE_INTEGER)
