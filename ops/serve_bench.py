@@ -208,6 +208,7 @@ def serve_flags(args) -> list[str]:
 def phase_serve(args, report: Report, deadline: float, server) -> None:
     """Closed-loop levels through the gateway; each engine's peak slots per level."""
     from ops.serve_load import WireLoad
+
     key = f"serve_e{args.engines}{args.label}"
     info = {"engines": engine_table(server.stats()), "settings": sizes(args), "ready_s": server.ready_s}
     load = WireLoad(server.address, max(args.concurrency))

@@ -56,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     configure_logging(json=settings.log_json, level=settings.log_level)
-    loaded, options = open_model(settings)
     if args.top_k < -1:  # -1 is off too, as in vLLM and the HTTP API
         raise BadRequest(f"--top-k {args.top_k}: expected a positive count, or 0 to turn it off")
+    loaded, options = open_model(settings)
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=max(args.top_k, 0) or None,
                                 seed=args.seed, max_tokens=args.max_tokens)  # fmt: skip
