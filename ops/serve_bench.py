@@ -106,15 +106,26 @@ def overhead(data: dict) -> list[dict]:
 
 
 def scaling(data: dict) -> list[dict]:
-    """Per concurrency: aggregate tok/s of each multi-engine run over the one-engine run."""
+    """Per concurrency: aggregate tok/s of each multi-engine run over the one-engine run.
+
+    `ideal_ratio` is what E engines could reach at C clients if each served its C/E clients as
+    one engine did (`E × tok/s(C/E) / tok/s(C)`, both from the one-engine run; present when C/E
+    was a level): an engine whose step time barely grows from C/E to C rows gains little from
+    splitting them, however well the pipeline balances.
+    """
     one = {lvl["concurrency"]: lvl.get("throughput_tok_s") for lvl in data.get("serve_e1", {}).get("levels", [])}
     rows = []
     for key in sorted(k for k, v in data.items() if k.startswith("serve_e") and k != "serve_e1" and isinstance(v, dict)):
+        engines = len(data[key].get("engines", [])) or int(key.removeprefix("serve_e").split("_")[0])
         for lvl in data[key].get("levels", []):
-            base = one.get(lvl["concurrency"])
+            c, base = lvl["concurrency"], one.get(lvl["concurrency"])
             if base and lvl.get("throughput_tok_s"):
-                rows.append({"run": key, "concurrency": lvl["concurrency"], "tok_s": lvl["throughput_tok_s"],
-                             "e1_tok_s": base, "ratio": round(lvl["throughput_tok_s"] / base, 3)})  # fmt: skip
+                row = {"run": key, "concurrency": c, "tok_s": lvl["throughput_tok_s"], "e1_tok_s": base,
+                       "ratio": round(lvl["throughput_tok_s"] / base, 3)}  # fmt: skip
+                share = one.get(c // engines) if c % engines == 0 else None
+                if share:
+                    row["ideal_ratio"] = round(engines * share / base, 3)
+                rows.append(row)
     return rows
 
 
@@ -140,7 +151,8 @@ def summary_lines(data: dict) -> list[str]:
                 lines.append("    cpu: " + ", ".join(f"{role} {c['cores_busy']} cores, {c['us_per_token']} µs/token"
                                                     for role, c in lvl["cpu"].items()))  # fmt: skip
     lines += [f"overhead c={r['concurrency']}: {r['cost_per_token_pct']}% per token" for r in data.get("overhead", [])]
-    lines += [f"scaling {r['run']} c={r['concurrency']}: x{r['ratio']}" for r in data.get("scaling", [])]
+    lines += [f"scaling {r['run']} c={r['concurrency']}: x{r['ratio']}"
+              + (f" (ideal x{r['ideal_ratio']})" if "ideal_ratio" in r else "") for r in data.get("scaling", [])]
     for key in [k for k, v in data.items() if k.startswith("kill") and isinstance(v, dict) and "checks" in v]:
         lines.append(f"{key}: ok={data[key]['ok']} {data[key]['checks']} in-flight {data[key]['in_flight']['outcomes']}")
     return lines

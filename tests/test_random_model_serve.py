@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from ops.random_model import TINY, write_random_model
-from ops.serve_bench import cpu_table
+from ops.serve_bench import cpu_table, scaling
 from ops.serve_load import RequestRecord, summarize
 from ops.serving import ServeProcess, cpu_seconds, serve_roles
 
@@ -118,3 +118,18 @@ def test_level_summary_figures():
     # ITL gaps: 0.1, 0.0, 0.3, 0.1, 0.1 (s) -> sorted 0, .1, .1, .1, .3
     assert level["itl_ms"] == {"p50": 100.0, "p95": 300.0}
     json.dumps(level)  # JSON-ready
+
+
+def test_scaling_rows_and_their_ideal():
+    # One engine: 1,000 tok/s at 16 clients, 1,500 at 32. Two engines at 32 clients serve 16 each, so
+    # they could reach 2 × 1,000 = 2,000 tok/s: an ideal of 2,000 / 1,500; 8 clients had no 4-client level.
+    data = {"serve_e1": {"levels": [{"concurrency": 16, "throughput_tok_s": 1000.0},
+                                    {"concurrency": 32, "throughput_tok_s": 1500.0},
+                                    {"concurrency": 8, "throughput_tok_s": 600.0}]},
+            "serve_e2": {"engines": [{}, {}], "levels": [{"concurrency": 32, "throughput_tok_s": 1800.0},
+                                                        {"concurrency": 8, "throughput_tok_s": 630.0}]}}  # fmt: skip
+    assert scaling(data) == [
+        {"run": "serve_e2", "concurrency": 32, "tok_s": 1800.0, "e1_tok_s": 1500.0, "ratio": 1.2, "ideal_ratio": 1.333},
+        {"run": "serve_e2", "concurrency": 8, "tok_s": 630.0, "e1_tok_s": 600.0, "ratio": 1.05},
+    ]  # fmt: skip
+
