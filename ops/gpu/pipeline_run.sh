@@ -33,7 +33,7 @@ else
     NGPU=$($PY -c 'import mlx.core as mx; print(mx.device_count(mx.gpu) if mx.is_available(mx.gpu) else 0)' 2>/dev/null || echo 0)
     [ "$NGPU" -gt 0 ] && [ -z "${CUDA_VISIBLE_DEVICES:-}" ] && export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((NGPU - 1)))
   fi
-  CONC=${CONC:-1,8,32,64}; PROMPT=${PROMPT:-512}; MAXTOK=${MAXTOK:-128}; KILL_STREAMS=${KILL_STREAMS:-32}; KILL_MAXTOK=${KILL_MAXTOK:-512}
+  CONC=${CONC:-1,8,16,32,64}; PROMPT=${PROMPT:-512}; MAXTOK=${MAXTOK:-128}; KILL_STREAMS=${KILL_STREAMS:-32}; KILL_MAXTOK=${KILL_MAXTOK:-512}
   T_BUILD=${T_BUILD:-60}; T_CORE=${T_CORE:-110}; T_E1=${T_E1:-120}; T_E2=${T_E2:-190}
 fi
 if [ "${NGPU:-0}" -ge 2 ]; then NAME=engines2_${TAG}_${SHAPE}; LABEL=""; else NAME=pipeline_${TAG}_${SHAPE}; LABEL=_one_device; fi
