@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--device", default="auto", help="serve's --device (auto: one engine per GPU)")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--concurrency", default="1,8,32,64", type=lambda s: [int(x) for x in s.split(",") if x])
+    parser.add_argument("--concurrency", default="1,8,16,32,64", type=lambda s: [int(x) for x in s.split(",") if x])
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
