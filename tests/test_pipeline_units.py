@@ -161,6 +161,8 @@ def test_duplicate_ids_and_bad_sessions_are_bad_requests(core):
     again = msgs(client(core, p.Generate(id="r1", prompt="x"), 0.1), ToClient)
     unknown = msgs(client(core, p.Generate(id="r2", prompt="x", session_id="s"), 0.1), ToClient)
     assert [m.code for m in again + unknown] == [ErrorCode.BAD_REQUEST] * 2
+    # The duplicate's error has no id: "r1" in flight keeps its one terminal message.
+    assert again[0].id is None and "'r1' is already in flight" in again[0].message and unknown[0].id == "r2"
 
 
 def test_chat_continuation_renders_like_the_whole_conversation(tokenizer):

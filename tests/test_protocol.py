@@ -266,9 +266,10 @@ MALFORMED = {
         frame(v=1, type="generate", id="r9", token_ids=[1] * (p.MAX_PROMPT_TOKENS + 1)),
         ["field token_ids"],
     ),
-    "ext type value": (frame(**{**GOOD, "prompt": msgpack.ExtType(1, b"ab")}), ["field prompt"]),
+    "ext type value": (frame(**{**GOOD, "prompt": msgpack.ExtType(1, b"ab")}), ["ext type 1 is not part"]),
+    "ext type under an unknown key": (frame(**GOOD, z=msgpack.ExtType(1, b"a")), ["ext type 1 is not part"]),
     "timestamp value": (frame(**{**GOOD, "prompt": msgpack.Timestamp(1, 0)}), ["field prompt"]),
-    "ext type frame": (msgpack.packb(msgpack.ExtType(3, b"\x00")), ["map"]),
+    "ext type frame": (msgpack.packb(msgpack.ExtType(3, b"\x00")), ["ext type 3 is not part"]),
     "empty token ids": (frame(v=1, type="generate", id="r9", token_ids=[]), ["field token_ids"]),
     "ttl too small": (frame(v=1, type="lease_open", ttl_s=0.5), ["field ttl_s"]),
     "ttl infinite": (frame(v=1, type="lease_open", ttl_s=math.inf), ["field ttl_s"]),
@@ -291,6 +292,7 @@ def test_protocol_error_carries_readable_request_id():
     assert assert_rejected(frame(**GOOD, max_tokens="x")).request_id == "r9"
     assert assert_rejected(frame(**{**GOOD, "v": 9})).request_id == "r9"
     assert assert_rejected(frame(**{**GOOD, "id": 5})).request_id is None
+    assert assert_rejected(frame(**GOOD, z=msgpack.ExtType(1, b"a"))).request_id == "r9"
     reply = p.error_reply(assert_rejected(frame(**GOOD, stream="yes")), "r9")
     assert reply.code == ErrorCode.BAD_REQUEST and "stream" in reply.message
 

@@ -256,8 +256,11 @@ class GatewayCore:
         try:
             if self.draining:
                 raise Unavailable("the server is shutting down; retry once it is back")
-            if (identity, msg.id) in self._by_client:
-                raise BadRequest(f"request id {msg.id!r} is already in flight on this connection")
+            if (identity, msg.id) in self._by_client:  # no `id` on the error: the first keeps its one ending
+                self.observer.refused(ErrorCode.BAD_REQUEST.value, now)
+                exc = BadRequest(f"request id {msg.id!r} is already in flight on this connection; this one is refused")
+                self._out.append(ToClient(identity, error_reply(exc, None)))
+                return
             self.clients.check_request(identity)
             turn = None
             if msg.session_id is not None:
