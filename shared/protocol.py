@@ -259,6 +259,8 @@ class StatsReply(WireMessage):
     TYPE = MessageType.STATS_REPLY
     id: Id | None = None
     pool: PoolUsage | None = None  # filled in by the gateway
+    max_context: Count | None = None  # the gateway's: most tokens a sequence may hold (--max-context)
+    max_tokens_cap: Count | None = None  # the gateway's: most tokens one request may generate
     engines: Annotated[list[EngineUsage], Field(max_length=MAX_LIST_ITEMS)] = []
     num_reservations: Count = 0
     num_leases: Count = 0

@@ -151,6 +151,11 @@ def test_control_requests_are_forwarded_and_replies_restore_the_client_id(core):
     assert forwarded.id != "mine"
     reply = core.on_controller(p.LeaseGranted(id=forwarded.id, lease_id="L1", ttl_s=5.0), 0.1)
     assert msgs(reply, ToClient) == [p.LeaseGranted(id="mine", lease_id="L1", ttl_s=5.0)]
+    asked = msgs(client(core, p.Stats(id="t"), 0.5), ToController)[0]
+    [stats] = msgs(core.on_controller(p.StatsReply(id=asked.id, num_leases=1), 0.6), ToClient)
+    # The gateway adds its pool and limits: the core fixture's Prompter (max_context 256, cap 64), RequestPool(1, 2).
+    assert (stats.id, stats.num_leases, stats.max_context, stats.max_tokens_cap) == ("t", 1, 256, 64)
+    assert (stats.pool.max_active, stats.pool.max_queue) == (1, 2)
     client(core, p.Stats(id="s"), 1.0)
     late = core.tick(now=4.0)  # the controller never answered
     assert [(m.id, m.code) for m in msgs(late, ToClient)] == [("s", ErrorCode.INTERNAL)]

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from shared.errors import ErrorCode
-from shared.protocol import Error, Generate, LeaseClose, LeaseGranted, Message, MessageType, PoolUsage, StatsReply
+from shared.protocol import Error, Generate, LeaseClose, LeaseGranted, Message, MessageType, StatsReply
 
 from .prompts import Turn
 
@@ -89,9 +89,10 @@ class ControlRelay:
         self._pending[corr] = PendingControl(identity, msg.id, now + self._timeout_s, msg.TYPE, session_id)
         return ToController(msg.model_copy(update={"id": corr}))
 
-    def reply(self, msg: Message, pool: PoolUsage) -> Answer | ToController | None:
-        """The controller's answer addressed to its client (a stats reply gains `pool`); a
-        `lease_close` for a lease opened too late; None when nothing waits for it."""
+    def reply(self, msg: Message, gateway_stats: dict) -> Answer | ToController | None:
+        """The controller's answer addressed to its client (a stats reply gains the gateway's
+        fields, `gateway_stats`: its pool and limits); a `lease_close` for a lease opened too
+        late; None when nothing waits for it."""
         corr = getattr(msg, "id", None) or ""
         pending = self._pending.pop(corr, None)
         if pending is None:
@@ -99,7 +100,7 @@ class ControlRelay:
             return ToController(LeaseClose(lease_id=msg.lease_id)) if abandoned and isinstance(msg, LeaseGranted) else None
         update: dict = {"id": pending.client_id}
         if isinstance(msg, StatsReply):
-            update["pool"] = pool
+            update |= gateway_stats
         if pending.session_id is not None and hasattr(msg, "session_id"):
             update["session_id"] = pending.session_id
         return Answer(pending, ToClient(pending.identity, msg.model_copy(update=update)))

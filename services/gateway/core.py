@@ -488,7 +488,8 @@ class GatewayCore:
     def _control_reply(self, msg: Message) -> None:
         s = self.pool.stats()
         pool = PoolUsage(active=s.active, queued=s.queued, max_active=s.max_active, max_queue=s.max_queue)
-        self._out += self.desk.reply(msg, pool)
+        limits = {"max_context": self.prompter.max_context, "max_tokens_cap": self.prompter.max_tokens_cap}
+        self._out += self.desk.reply(msg, {"pool": pool, **limits})
 
     def _flush(self, now: float) -> list[Send]:
         out, self._out = self._out, []

@@ -7,7 +7,7 @@ controller's answers, and closes a lease that was opened after its client got `i
 
 from __future__ import annotations
 
-from shared.protocol import LeaseClosed, LeaseGranted, LeaseOpen, Message, PoolUsage
+from shared.protocol import LeaseClosed, LeaseGranted, LeaseOpen, Message
 
 from .clients import ClientTable
 from .control import Answer, ControlRelay, Send, ToController
@@ -36,9 +36,10 @@ class ControlDesk:
             self.clients.lease_open_sent(identity)
         return self.relay.forward(identity, msg, now, session_id=session_id)
 
-    def reply(self, msg: Message, pool: PoolUsage) -> list[Send]:
-        """What the controller's answer becomes: the client's reply, a late lease's close, or nothing."""
-        reply = self.relay.reply(msg, pool)
+    def reply(self, msg: Message, gateway_stats: dict) -> list[Send]:
+        """What the controller's answer becomes: the client's reply (a stats reply with
+        `gateway_stats`' fields), a late lease's close, or nothing."""
+        reply = self.relay.reply(msg, gateway_stats)
         if isinstance(reply, Answer):
             return self._answered(reply, msg)
         if isinstance(reply, ToController):  # a lease opened after its client was answered `internal`
