@@ -388,15 +388,19 @@ def readable_id(frame: bytes) -> str | None:
     return None
 
 
+class _ExtType(ValueError):
+    """A msgpack ext type in a frame (the protocol has none)."""
+
+
 def _refuse_ext(code: int, data: bytes):
-    raise ValueError(f"msgpack ext type {code} is not part of the protocol")
+    raise _ExtType(f"msgpack ext type {code} is not part of the protocol")
 
 
 def _unpack_map(frame: bytes) -> dict:
     try:
         payload = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        detail = str(exc) if "ext type" in str(exc) else type(exc).__name__
+        detail = str(exc) if isinstance(exc, _ExtType) else type(exc).__name__
         raise ProtocolError(f"frame is not valid msgpack ({detail})") from None
     if not isinstance(payload, dict):
         raise ProtocolError(f"frame must be a msgpack map, got {type(payload).__name__}")

@@ -253,14 +253,13 @@ class GatewayCore:
     def _generate(self, identity: bytes, msg: Generate, now: float) -> None:
         self.observer.received(now)
         owner = session_owner(identity, msg.lease_id)
+        reply_id: str | None = msg.id
         try:
             if self.draining:
                 raise Unavailable("the server is shutting down; retry once it is back")
-            if (identity, msg.id) in self._by_client:  # no `id` on the error: the first keeps its one ending
-                self.observer.refused(ErrorCode.BAD_REQUEST.value, now)
-                exc = BadRequest(f"request id {msg.id!r} is already in flight on this connection; this one is refused")
-                self._out.append(ToClient(identity, error_reply(exc, None)))
-                return
+            if (identity, msg.id) in self._by_client:
+                reply_id = None  # the request in flight under that id keeps its one terminal message
+                raise BadRequest(f"request id {msg.id!r} is already in flight on this connection; this one is refused")
             self.clients.check_request(identity)
             turn = None
             if msg.session_id is not None:
@@ -269,7 +268,7 @@ class GatewayCore:
                     self.clients.check_sessions(self.sessions.num_started_by(identity))
         except ButtermilkError as exc:
             self.observer.refused(exc.code.value, now)
-            self._out.append(ToClient(identity, error_reply(exc, msg.id)))
+            self._out.append(ToClient(identity, error_reply(exc, reply_id)))
             return
         record = None
         if msg.session_id is not None:
