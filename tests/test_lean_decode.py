@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kernels import cuda_kv
 from services.engine import attention
 from services.engine.cache import CacheOptions
 from services.engine.cache.batched import BatchedKVCache
@@ -96,9 +97,11 @@ def test_compressed_lean_step_equals_mlx_lm_forward(scheme):
     assert np.mean(got_pool[written] == want_pool[written]) >= 0.95
 
 
-def test_bfloat16_lean_step_equals_mlx_lm_forward():
-    """bf16, K a multiple of 256: on CUDA, 2 to 8 rows project through `kernels.skinny_gemm` (float32 sums in
-    another order than cuBLAS: bf16 rounding differences, which each layer carries on)."""
+@pytest.mark.parametrize("prompt_lengths", [(5, 17, 33), (17,)], ids=["3 rows", "1 row"])
+def test_bfloat16_lean_step_equals_mlx_lm_forward(prompt_lengths):
+    """bf16, K a multiple of 256: on CUDA, 2 to 8 rows project through `kernels.skinny_gemm`, one row through
+    `kernels.gemv` with the norms, SwiGLU and residual adds inside (float32 sums in another order than cuBLAS:
+    bf16 rounding differences, which each layer carries on)."""
     attention.install()
     from mlx_lm.models import llama
 
@@ -110,8 +113,9 @@ def test_bfloat16_lean_step_equals_mlx_lm_forward():
     model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
     fuse_projections(model)
-    (want, _), (got, _), _ = _both_forwards(model, "raw")
-    assert got.shape == want.shape == (3, 96)
+    assert LeanDecoder.build(model).one_row_kernels == cuda_kv.is_available()
+    (want, _), (got, _), _ = _both_forwards(model, "raw", prompt_lengths)
+    assert got.shape == want.shape == (len(prompt_lengths), 96)
     np.testing.assert_allclose(got, want, rtol=0, atol=0.05 * np.abs(want).max())
 
 
