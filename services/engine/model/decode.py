@@ -9,13 +9,11 @@ transposes q, k, v and its output — about 30 views per layer that launch nothi
 runs the same modules' weights on `[B, D]` activations (one token per row): the weights'
 transposes are taken once (evaluated views, no copy), 2 to 8 rows project in one launch on CUDA without a bias
 (`kernels.skinny_gemm`, where MLX's cuBLASLt call costs ~20 µs more host time), the MLP's SwiGLU reads the fused gate/up output in one
-launch (`kernels.swiglu`), q, k and v come out of the fused projection
+launch (`kernels.swiglu`; one row on CUDA: inside the down projection's launch, `kernels.swiglu_down`), q, k and v come out of the fused projection
 normalized (Qwen3) and rotated in one launch (`kernels.qkv_rope`; in a decode window on CUDA, the
 same launch writes k and v, coded in a compressed layer, into their tail rows), each residual add runs in one
 launch with the RMSNorm after it (`kernels.fused_norm`), and each layer's cache
-(`PagedLayerCache`) is called directly. One row on CUDA (single-stream decode) folds the norms, the
-SwiGLU and the residual adds into its projections (`kernels.gemv`): a layer is seven launches, four
-of them projections.
+(`PagedLayerCache`) is called directly.
 
 It serves the model types whose decoder layer is mlx-lm's Llama block with fused projections
 (`model.fuse`): llama (and mistral), qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), with mlx's `nn.RoPE` or
@@ -29,11 +27,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels import gemv as row_gemv
 from kernels.fused_norm import add_rms_norm
 from kernels.qkv_rope import RopeSpec, split_qkv_rope, split_qkv_rope_store, stores
 from kernels.skinny_gemm import serves, skinny_matmul
 from kernels.swiglu import swiglu_halves
+from kernels import swiglu_down
 
 from .fuse import FusedView
 
@@ -87,8 +85,8 @@ class LeanDecoder:
     Computes what `model(tokens[:, None], cache=caches)[:, -1]` computes (same weights, same
     caches, the same operations), with fewer graph nodes; on CUDA the fused RMSNorms (after each
     residual add, and Qwen3's on q and k) sum their squares in another order, and so do projections of
-    2 to 8 half-precision rows (`kernels.skinny_gemm`, against cuBLAS) and one row's (`kernels.gemv`, norms,
-    SwiGLU and residual adds inside: `one_row_kernels`), so a value may differ in its last
+    2 to 8 half-precision rows (`kernels.skinny_gemm`, against cuBLAS) and one row's down projection
+    (`kernels.swiglu_down`, where `swiglu_in_down`), so a value may differ in its last
     bit (and a bf16 model's logits by that, carried through the layers). Build it with `LeanDecoder.build`, which returns None for a model it
     does not serve (other families, RoPEs other than `nn.RoPE` and Llama 3's, quantized or biased
     MLPs, weights of mixed dtypes).
@@ -100,8 +98,7 @@ class LeanDecoder:
         self._next_norms = [layer.input_norm for layer in layers[1:]] + [inner.norm]  # the norm after each layer
         head = inner.embed_tokens if model.args.tie_word_embeddings else model.lm_head
         self._head = _Proj.of(head.weight)
-        projections = [self._head] + [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        self.one_row_kernels = all(p.bias is None and row_gemv.takes(p.weight) for p in projections)
+        self.swiglu_in_down = all(swiglu_down.takes(layer.down.weight) for layer in layers)  # one row: one launch
 
     @classmethod
     def build(cls, model: nn.Module) -> LeanDecoder | None:
@@ -136,39 +133,23 @@ class LeanDecoder:
         Returns:
             mx.array: [B, vocab] in the model's dtype.
         """
-        if self.one_row_kernels and tokens.shape[0] == 1:
-            return self._row(tokens, caches)
         x = self._embed(tokens)  # [B, hidden]
         normed = self._layers[0].input_norm(x)
         for layer, cache, next_norm in zip(self._layers, caches, self._next_norms):
             x, normed = add_rms_norm(x, _attention(layer, normed, cache), layer.post_norm.weight, layer.post_norm.eps)
-            mlp = layer.down(swiglu_halves(layer.gate_up(normed)))
+            gate_up = layer.gate_up(normed)
+            if self.swiglu_in_down and gate_up.shape[0] == 1:
+                mlp = swiglu_down.swiglu_down(gate_up, layer.down.weight)
+            else:
+                mlp = layer.down(swiglu_halves(gate_up))
             x, normed = add_rms_norm(x, mlp, next_norm.weight, next_norm.eps)
         return self._head(normed)
-
-    def _row(self, tokens: mx.array, caches: list) -> mx.array:
-        """One row's logits [1, vocab], each norm, SwiGLU and residual add inside a projection (`kernels.gemv`)."""
-        x = self._embed(tokens)  # [1, hidden], the residual stream
-        for layer, cache, next_norm in zip(self._layers, caches, self._next_norms):
-            norm = layer.input_norm
-            qkv = row_gemv.gemv(x, layer.qkv.weight, norm=(norm.weight, norm.eps))
-            x = row_gemv.gemv(_attend(layer, qkv, cache), layer.o.weight, residual=x)
-            norm = layer.post_norm
-            gate_up = row_gemv.gemv(x, layer.gate_up.weight, norm=(norm.weight, norm.eps))
-            x = row_gemv.gemv(gate_up, layer.down.weight, swiglu=True, residual=x)
-        norm = self._next_norms[-1]
-        return row_gemv.gemv(x, self._head.weight, norm=(norm.weight, norm.eps))
 
 
 def _attention(layer: _Layer, h: mx.array, cache) -> mx.array:
     """Self-attention of one token per row: h [B, hidden] -> [B, hidden]."""
-    return layer.o(_attend(layer, layer.qkv(h), cache))
-
-
-def _attend(layer: _Layer, qkv: mx.array, cache) -> mx.array:
-    """Attention of one token per row from its fused projection: qkv [B, (heads + 2 * kv) * head_dim] -> the heads'
-    outputs [B, heads * head_dim]."""
     heads, kv = layer.n_heads, layer.n_kv_heads
+    qkv = layer.qkv(h)
     split = dict(n_heads=heads, n_kv_heads=kv, head_dim=layer.head_dim, rope=layer.rope, offset=cache.offset,
                  q_norm=layer.q_norm, k_norm=layer.k_norm)
     target = cache.store_target
@@ -178,7 +159,8 @@ def _attend(layer: _Layer, qkv: mx.array, cache) -> mx.array:
     else:
         q, k, v = split_qkv_rope(qkv, **split)
         k, v = cache.update_and_fetch(k, v)
-    return cache.attend(q, k, v, scale=layer.scale, mask=None, flat=True)
+    out = cache.attend(q, k, v, scale=layer.scale, mask=None, flat=True)  # [B, heads * head_dim]
+    return layer.o(out)
 
 
 def _fused(views: tuple) -> object | None:

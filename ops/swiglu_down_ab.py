@@ -1,12 +1,12 @@
-"""A/B of single-stream decode with and without the one-row projections (`kernels.gemv`: norms, SwiGLU and
-residual adds inside the projections) in one process: per context and scheme, both engines filled alike and
-stepped in turn (`ops.bench_kv.step_in_turn`), so the host's drift falls on both. The engine without them is
-built with `kernels.gemv.takes` answering False (the lean step then runs its separate norm, SwiGLU and add
-launches, as at 2 or more rows).
+"""A/B of single-stream decode with and without the SwiGLU inside the down projection's launch
+(`kernels.swiglu_down`) in one process: per context and scheme, both engines filled alike and stepped in turn
+(`ops.bench_kv.step_in_turn`), so the host's drift falls on both. The engine without it is built with
+`kernels.swiglu_down.takes` answering False (the lean step then launches `kernels.swiglu` and the projection,
+as at 2 or more rows).
 
-    python -m ops.one_row_ab --random-model llama-1b --contexts 512,8192,32768 --schemes raw,aura4v4
+    python -m ops.swiglu_down_ab --random-model llama-1b --contexts 512,8192,32768 --schemes raw,aura4v4
 
-Prints JSON rows and writes `one_row_ab_<device>_<model>.json` to `--out` (not a test).
+Prints JSON rows and writes `swiglu_down_ab_<device>_<model>.json` to `--out` (not a test).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def ab_row(loaded, scheme: str, context: int, args) -> dict:
     runs = {"fold": [], "unfolded": []}
     for _ in range(args.rounds):
         engines = {"fold": filled_engine(loaded, scheme, [context], max_tokens=args.warmup + args.steps)}
-        with mock.patch("kernels.gemv.takes", return_value=False):
+        with mock.patch("kernels.swiglu_down.takes", return_value=False):
             engines["unfolded"] = filled_engine(loaded, scheme, [context], max_tokens=args.warmup + args.steps)
-        assert engines["fold"][0].runner._lean.one_row_kernels == (mx.default_device() == mx.gpu)
+        assert engines["fold"][0].runner._lean.swiglu_in_down == (mx.default_device() == mx.gpu)
         for name, rate in step_in_turn(engines, args.warmup).items():
             runs[name].append(round(rate["tokens_per_s"], 1))
         del engines
@@ -63,10 +63,10 @@ def main() -> None:
             rows.append(ab_row(loaded, scheme, context, args))
             print(json.dumps(rows[-1]), flush=True)
     device = "gpu" if mx.default_device() == mx.gpu else "cpu"
-    result = {"benchmark": "one_row_ab", "model": args.random_model, "dtype": "bfloat16", "device": device,
+    result = {"benchmark": "swiglu_down_ab", "model": args.random_model, "dtype": "bfloat16", "device": device,
               "mlx": mx.__version__, "steps": args.steps, "rounds": args.rounds, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"one_row_ab_{device}_{args.random_model}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"swiglu_down_ab_{device}_{args.random_model}.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
