@@ -9,7 +9,7 @@ transposes q, k, v and its output — about 30 views per layer that launch nothi
 runs the same modules' weights on `[B, D]` activations (one token per row): the weights'
 transposes are taken once (evaluated views, no copy), 2 to 8 rows project in one launch on CUDA without a bias
 (`kernels.skinny_gemm`, where MLX's cuBLASLt call costs ~20 µs more host time), the MLP's SwiGLU reads the fused gate/up output in one
-launch (`kernels.swiglu`; one row on CUDA: inside the down projection's launch, `kernels.swiglu_down`), q, k and v come out of the fused projection
+launch (`kernels.swiglu`), q, k and v come out of the fused projection
 normalized (Qwen3) and rotated in one launch (`kernels.qkv_rope`; in a decode window on CUDA, the
 same launch writes k and v, coded in a compressed layer, into their tail rows), each residual add runs in one
 launch with the RMSNorm after it (`kernels.fused_norm`), and each layer's cache
@@ -31,7 +31,6 @@ from kernels.fused_norm import add_rms_norm
 from kernels.qkv_rope import RopeSpec, split_qkv_rope, split_qkv_rope_store, stores
 from kernels.skinny_gemm import serves, skinny_matmul
 from kernels.swiglu import swiglu_halves
-from kernels import swiglu_down
 
 from .fuse import FusedView
 
@@ -85,8 +84,7 @@ class LeanDecoder:
     Computes what `model(tokens[:, None], cache=caches)[:, -1]` computes (same weights, same
     caches, the same operations), with fewer graph nodes; on CUDA the fused RMSNorms (after each
     residual add, and Qwen3's on q and k) sum their squares in another order, and so do projections of
-    2 to 8 half-precision rows (`kernels.skinny_gemm`, against cuBLAS) and one row's down projection
-    (`kernels.swiglu_down`, where `swiglu_in_down`), so a value may differ in its last
+    2 to 8 half-precision rows (`kernels.skinny_gemm`, against cuBLAS), so a value may differ in its last
     bit (and a bf16 model's logits by that, carried through the layers). Build it with `LeanDecoder.build`, which returns None for a model it
     does not serve (other families, RoPEs other than `nn.RoPE` and Llama 3's, quantized or biased
     MLPs, weights of mixed dtypes).
@@ -98,7 +96,6 @@ class LeanDecoder:
         self._next_norms = [layer.input_norm for layer in layers[1:]] + [inner.norm]  # the norm after each layer
         head = inner.embed_tokens if model.args.tie_word_embeddings else model.lm_head
         self._head = _Proj.of(head.weight)
-        self.swiglu_in_down = all(swiglu_down.takes(layer.down.weight) for layer in layers)  # one row: one launch
 
     @classmethod
     def build(cls, model: nn.Module) -> LeanDecoder | None:
@@ -137,11 +134,7 @@ class LeanDecoder:
         normed = self._layers[0].input_norm(x)
         for layer, cache, next_norm in zip(self._layers, caches, self._next_norms):
             x, normed = add_rms_norm(x, _attention(layer, normed, cache), layer.post_norm.weight, layer.post_norm.eps)
-            gate_up = layer.gate_up(normed)
-            if self.swiglu_in_down and gate_up.shape[0] == 1:
-                mlp = swiglu_down.swiglu_down(gate_up, layer.down.weight)
-            else:
-                mlp = layer.down(swiglu_halves(gate_up))
+            mlp = layer.down(swiglu_halves(layer.gate_up(normed)))
             x, normed = add_rms_norm(x, mlp, next_norm.weight, next_norm.eps)
         return self._head(normed)
 
