@@ -250,6 +250,9 @@ def step_in_turn(engines: dict[str, tuple], warmup_tokens: int) -> dict[str, dic
     Returns:
         dict[str, dict]: per engine, `tokens_per_s` (tokens over seconds of the rounds after it produced
         `warmup_tokens`) and `round_tokens_per_s` (each timed round's window).
+
+    Raises:
+        ValueError: an engine finished before a window after its warm-up was timed.
     """
     cores, rounds = {}, {}
     for name, (core, requests) in engines.items():
@@ -275,6 +278,8 @@ def step_in_turn(engines: dict[str, tuple], warmup_tokens: int) -> dict[str, dic
     out = {}
     for name, timed in rounds.items():
         timed = [(n, t) for n, t in timed if n]
+        if not timed:
+            raise ValueError(f"{name}: no decode window after the warm-up was timed; ask for more steps")
         out[name] = {"tokens_per_s": sum(n for n, _ in timed) / sum(t for _, t in timed),
                      "round_tokens_per_s": [round(n / t, 1) for n, t in timed]}
     return out
