@@ -114,8 +114,12 @@ class ControllerCore:
             case Hello():
                 return self._hello(identity, msg, now)
             case EngineDead():
-                self.log.warning("engine_dead", engine_id=msg.engine_id, epoch=msg.epoch)
-                return self._announce(ledger.engine_dead(msg.engine_id, msg.epoch), ErrorCode.ENGINE_FAILED)
+                released = ledger.engine_dead(msg.engine_id, msg.epoch)
+                held = len(released.request_ids) + len(released.session_ids)
+                (self.log.warning if held else self.log.info)(  # a drained stop held nothing: no alarm
+                    "engine_dead", engine_id=msg.engine_id, epoch=msg.epoch, requests=len(released.request_ids),
+                    sessions=len(released.session_ids))
+                return self._announce(released, ErrorCode.ENGINE_FAILED)
             case _:
                 return self._client_verb(identity, msg, now)
 
