@@ -429,3 +429,17 @@ def test_controller_stats_show_each_engines_device_through_heartbeats_and_restar
     e0 = next(e for e in stats.engines if e.engine_id == "e0")
     assert (e0.epoch, e0.pid, e0.device, e0.cuda_visible_devices) == (1, 12, "gpu:0 (NVIDIA H200)", "1")
     assert p.decode(p.encode(stats)) == stats  # the fields survive the wire
+
+
+def test_controller_warns_of_an_engine_death_only_when_it_released_work():
+    from structlog.testing import capture_logs
+
+    core = ControllerCore(Ledger(engine_timeout_s=3.0))
+    core.handle(ENGINE, p.Hello(engine_id="e0", epoch=0, geometry=GEOMETRY), 0.0)
+    with capture_logs() as logs:
+        core.handle(ENGINE, p.EngineDead(engine_id="e0", epoch=0), 1.0)  # a drained stop: nothing held
+        core.handle(ENGINE, p.Hello(engine_id="e0", epoch=1, geometry=GEOMETRY), 2.0)
+        core.handle(p.GATEWAY_ROUTING_ID, p.Reserve(request_id="r1", tokens=10), 2.0)
+        core.handle(ENGINE, p.EngineDead(engine_id="e0", epoch=1), 3.0)  # a crash with r1 in flight
+    deaths = [(e["log_level"], e["epoch"], e["requests"]) for e in logs if e["event"] == "engine_dead"]
+    assert deaths == [("info", 0, 0), ("warning", 1, 1)]
