@@ -225,44 +225,30 @@ def run_decode(loaded, args) -> list[dict]:
 
 
 def interleaved_rates(loaded, context: int, args) -> dict[str, dict]:
-    """Every scheme's engine at once, stepped in turn (`step_in_turn`).
+    """Every scheme's engine at once, stepped in turn: per round, one `EngineCore.step` of each (a
+    decode window), waited for before the next engine's, so a host whose speed drifts over the run
+    (single-stream steps are bound by the host) slows every scheme alike.
 
     Returns:
-        dict[str, dict]: per scheme, `step_in_turn`'s figures.
+        dict[str, dict]: per scheme, `tokens_per_s` (tokens over seconds of the rounds after every
+        stream has `--warmup` tokens) and `round_tokens_per_s` (each timed round's window).
+
+    Raises:
+        ValueError: a scheme finished before a window after its warm-up was timed (too few `--steps`).
     """
     from ops.engine_fill import filled_engine
 
-    engines = {}
+    engines, rounds = {}, {}
     for scheme in args.schemes:
-        engines[scheme] = filled_engine(loaded, scheme, [context] * args.streams, max_tokens=args.warmup + args.steps,
-                                        decode_window=args.decode_window)
-    out = step_in_turn(engines, args.warmup * args.streams)
-    del engines
-    gc.collect()
-    return out
-
-
-def step_in_turn(engines: dict[str, tuple], warmup_tokens: int) -> dict[str, dict]:
-    """Filled engines (`ops.engine_fill.filled_engine`'s (core, requests)) at once, stepped in turn: per round,
-    one `EngineCore.step` of each (a decode window), waited for before the next engine's, so a host whose speed
-    drifts over the run (single-stream steps are bound by the host) slows every engine alike.
-
-    Returns:
-        dict[str, dict]: per engine, `tokens_per_s` (tokens over seconds of the rounds after it produced
-        `warmup_tokens`) and `round_tokens_per_s` (each timed round's window).
-
-    Raises:
-        ValueError: an engine finished before a window after its warm-up was timed.
-    """
-    cores, rounds = {}, {}
-    for name, (core, requests) in engines.items():
+        core, requests = filled_engine(loaded, scheme, [context] * args.streams, max_tokens=args.warmup + args.steps,
+                                       decode_window=args.decode_window)
         for request in requests:
             core.add_request(request)
-        cores[name], rounds[name] = core, []
-    mx.eval([a for core in cores.values() for a in core.cache.arrays])
-    produced = dict.fromkeys(cores, 0)
-    while any(core.has_unfinished() for core in cores.values()):
-        for name, core in cores.items():
+        engines[scheme], rounds[scheme] = core, []
+    mx.eval([a for core in engines.values() for a in core.cache.arrays])
+    produced = dict.fromkeys(engines, 0)
+    while any(core.has_unfinished() for core in engines.values()):
+        for scheme, core in engines.items():
             if not core.has_unfinished():
                 continue
             begin = time.perf_counter()
@@ -270,18 +256,20 @@ def step_in_turn(engines: dict[str, tuple], warmup_tokens: int) -> dict[str, dic
             mx.synchronize()  # ... and waits for it: the next engine starts on an idle GPU
             seconds = time.perf_counter() - begin
             tokens = sum(len(out.new_token_ids) for out in outputs)
-            if rounds[name]:  # this step's tokens are the window timed by the last one
-                rounds[name][-1][0] = tokens
-            if produced[name] >= warmup_tokens:
-                rounds[name].append([0, seconds])
-            produced[name] += tokens
+            if rounds[scheme]:  # this step's tokens are the window timed by the last one
+                rounds[scheme][-1][0] = tokens
+            if produced[scheme] >= args.warmup * args.streams:
+                rounds[scheme].append([0, seconds])
+            produced[scheme] += tokens
     out = {}
-    for name, timed in rounds.items():
+    for scheme, timed in rounds.items():
         timed = [(n, t) for n, t in timed if n]
         if not timed:
-            raise ValueError(f"{name}: no decode window after the warm-up was timed; ask for more steps")
-        out[name] = {"tokens_per_s": sum(n for n, _ in timed) / sum(t for _, t in timed),
-                     "round_tokens_per_s": [round(n / t, 1) for n, t in timed]}
+            raise ValueError(f"{scheme}: no decode window after the warm-up was timed; ask for more steps")
+        out[scheme] = {"tokens_per_s": sum(n for n, _ in timed) / sum(t for _, t in timed),
+                       "round_tokens_per_s": [round(n / t, 1) for n, t in timed]}
+    del engines
+    gc.collect()
     return out
 
 

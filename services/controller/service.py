@@ -115,10 +115,10 @@ class ControllerCore:
                 return self._hello(identity, msg, now)
             case EngineDead():
                 released = ledger.engine_dead(msg.engine_id, msg.epoch)
-                held = len(released.request_ids) + len(released.session_ids)
-                (self.log.warning if held else self.log.info)(  # a drained stop held nothing: no alarm
-                    "engine_dead", engine_id=msg.engine_id, epoch=msg.epoch, requests=len(released.request_ids),
-                    sessions=len(released.session_ids))
+                requests, sessions = released.request_ids, released.session_ids
+                (self.log.warning if requests or sessions else self.log.info)(  # a drained stop held nothing
+                    "engine_dead", engine_id=msg.engine_id, epoch=msg.epoch, requests=len(requests),
+                    sessions=len(sessions))
                 return self._announce(released, ErrorCode.ENGINE_FAILED)
             case _:
                 return self._client_verb(identity, msg, now)
