@@ -26,7 +26,7 @@ MODES = {RAW: 0, AFFINE: 1, AURA: 2}
 NUM_SMS = 132  # H200; only sizes the split count
 _LOG2E = math.log2(math.e)
 _STATIC_SHARED_BYTES = 48 * 1024  # a kernel's static shared memory at most (CUDA)
-_ENCODE_WARPS = 4  # warps per block of the encoder (one per vector part; `EW` in its source)
+_ENCODE_WARPS = 4  # warps per block of the encoder (`encode_warps` a vector part; `EW` in its source)
 _COMBINE_THREADS = 512  # the combine kernel's block at most (`NT` in its source)
 _MAX_SPLIT_PAGES = 256  # pages one split walks at most (its page ids sit in shared memory: `MAXPG`)
 
@@ -34,6 +34,12 @@ _MAX_SPLIT_PAGES = 256  # pages one split walks at most (its page ids sit in sha
 def is_available() -> bool:
     """Whether the CUDA kernels can run: MLX's CUDA backend is present and the default device is the GPU."""
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def encode_warps(head_dim: int) -> int:
+    """Warps that code one part (K or V) of a head_dim-wide vector (`encode_warps` in `kernels.cuda_source`)."""
+    per_lane = head_dim // 32
+    return 4 if head_dim >= 256 and per_lane % 4 == 0 else 2 if head_dim >= 128 and per_lane % 2 == 0 else 1
 
 
 def custom_kernel(name: str, source: str, header: str = "", **io):
@@ -161,7 +167,7 @@ def encode_rows(fmt: LayerFormat, keys: mx.array, values: mx.array, key_mean: mx
     (rows,) = _kernels()["encode"](
         inputs=[keys, values, *inputs],
         template=[("T", keys.dtype), *template, ("EW", _ENCODE_WARPS)],
-        grid=(-(-2 * batch * heads * length // _ENCODE_WARPS) * 32 * _ENCODE_WARPS, 1, 1),
+        grid=(-(-2 * encode_warps(head_dim) * batch * heads * length // _ENCODE_WARPS) * 32 * _ENCODE_WARPS, 1, 1),
         threadgroup=(32 * _ENCODE_WARPS, 1, 1),
         output_shapes=[(batch, heads, length, fmt.row_words)],
         output_dtypes=[mx.uint32],

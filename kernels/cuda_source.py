@@ -1,10 +1,10 @@
 """CUDA sources of the KV kernels (compiled at first use by `mx.fast.cuda_kernel`, NVRTC).
 
 Three kernels, all reading and writing the row format of `kernels.kv_format`:
-- `ENCODE`: K and V vectors of one (token, head) -> one compressed row, one warp a part
-  (`encode_part` in `HEADER`, which `kernels.qkv_rope`'s fused kernel shares. AURA: rotate with a
-  fast Walsh-Hadamard transform in warp shuffles, Lloyd-Max search over the gains of
-  `kernels.aura.GAINS`, pack, norm-corrected scale;
+- `ENCODE`: K and V vectors of one (token, head) -> one compressed row, one warp a part up to
+  head_dim 64, D / 64 past it (`encode_part` in `HEADER`, which `kernels.qkv_rope`'s fused kernel
+  shares. AURA: rotate with a fast Walsh-Hadamard transform in warp shuffles, Lloyd-Max search
+  over the gains of `kernels.aura.GAINS`, pack, norm-corrected scale;
   affine: MLX's CPU `mx.quantize` rule exactly: min/max, edge snapped to the grid, `rint`).
 - `PARTIAL`: split-K decode attention ("flash-decoding") on the lanes' FMAs: one block per
   (split, kv head, row) walks its tokens through the row's page table, reads each K/V row once
@@ -280,20 +280,40 @@ __device__ __forceinline__ void merge_states(const float* sm_m, const float* sm_
 // Floats of a part's search table (`encode_part`): AURA, 2^BITS threshold slots and centroids, NG gains.
 __host__ __device__ constexpr int table_floats(int mode, int bits, int ng) { return mode == 2 ? (2 << bits) + ng : 0; }
 
-// Codes one part (K or V) of one vector held by a warp, lane j holding dims [j * E, j * E + E) of x
-// (E = D / 32, or 1 with D lanes when D < 32; other lanes hold zeros). AURA: sign flips, a
-// Walsh-Hadamard rotation, then the gain search over the part's search table `tab` (in shared memory,
-// `kernels.cuda_kv.search_table`: NC slots of thresholds in breadth-first order, NC centroids, NG gains);
-// affine: MLX's CPU rule. Writes the D * BITS / 32 code words and the meta halves (affine: D / GS
-// scales, then D / GS biases; AURA: the scale). `sidx` [D]: the warp's scratch. Every lane of the warp
-// must call it.
+// Warps that code one part (K or V) of one vector: up to 4, each searching an equal slice of a lane's d / 32
+// dims, 2 from head_dim 128 (the gain search's cost grows with the dims a lane walks: at head_dim 128 one
+// warp made a decode step's q/k/v launch take 8.9 us, 3.6 without coding, H200).
+__host__ __device__ constexpr int encode_warps(int d) {
+  return d >= 256 && (d / 32) % 4 == 0 ? 4 : (d >= 128 && (d / 32) % 2 == 0 ? 2 : 1);
+}
+
+// Barrier of the W warps that code one part (named barrier `id`, 1..15; one warp: __syncwarp).
+template <int W>
+__device__ __forceinline__ void part_sync(int id) {
+  if constexpr (W == 1) __syncwarp();
+  else asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(W * 32) : "memory");
+}
+
+// Codes one part (K or V) of one vector held by the W = encode_warps(D) warps of a part, each warp holding
+// the whole vector: lane j holds dims [j * E, j * E + E) of x (E = D / 32, or 1 with D lanes when D < 32;
+// other lanes hold zeros). AURA: sign flips, a Walsh-Hadamard rotation (each warp the whole vector: shuffles,
+// no barrier), then the gain search over the part's search table `tab` (in shared memory,
+// `kernels.cuda_kv.search_table`: NC slots of thresholds in breadth-first order, NC centroids, NG gains),
+// warp w searching its slice of ES = E / W of each lane's dims, the per-gain sums met in `red`;
+// affine: MLX's CPU rule (every warp the same values; warp w keeps its slice). Writes the D * BITS / 32 code
+// words and the meta halves (affine: D / GS scales, then D / GS biases; AURA: the scale). `sidx` [D], `red`
+// [W * 2 * NG]: the part's scratch in shared memory. Every lane of the part's warps must call it once, `pw`
+// its warp's index in the part, `bar` the part's barrier (`part_sync`).
 template <int MODE, int BITS, int GS, int D, int NG>
-__device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], int lane, const float* sign,
-                                            const float* tab, uint32_t* sidx, uint32_t* codes, __half* meta) {
+__device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], int lane, int pw, int bar,
+                                            const float* sign, const float* tab, uint32_t* sidx, float* red,
+                                            uint32_t* codes, __half* meta) {
   constexpr int E = D >= 32 ? D / 32 : 1;  // dims per lane
   constexpr int LANES = D / E;              // lanes holding dims
+  constexpr int W = encode_warps(D), ES = E / W;  // warps of the part, dims a lane searches
+  static_assert(ES * W == E, "each warp searches an equal slice of a lane's dims");
   const bool live = lane < LANES;
-  uint32_t q[E];
+  uint32_t q[ES];
   if constexpr (MODE == 2) {  // AURA
     constexpr int NC = 1 << BITS;
     float ss = 0.f;
@@ -306,18 +326,26 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
     const float norm = sqrtf(ss);
+    float u[ES];  // this warp's slice: dims lane * E + pw * ES + s
+#pragma unroll
+    for (int s = 0; s < ES; ++s) {
+      u[s] = x[s];
+#pragma unroll
+      for (int e = ES; e < E; ++e) u[s] = e == pw * ES + s ? x[e] : u[s];  // selects, not a local array
+      u[s] = norm > 0.f ? u[s] / norm : 0.f;  // u = sqrt(D) * (H s x / sqrt(D)) / |x|
+    }
     // Gain search (kernels.aura): gain g's code of u is the count of thresholds t with float32(t * g) < u
     // (ties go to the lower cell; the edges of `kernels.aura.gain_cells`), a branchless binary search of
     // BITS probes down the thresholds' breadth-first tree; the 9 gains' searches are independent, so their
     // probes are in flight together. The vector keeps the gain whose codes are closest in angle to u (the
-    // first on a tie); xor reductions leave every lane the same sums, so all lanes agree on the gain.
-    uint32_t code[NG][E];
+    // first on a tie); xor reductions, then the warps' sums in warp order, leave every lane the same sums,
+    // so all lanes agree on the gain.
+    uint32_t code[NG][ES];
     float cu[NG], cc[NG];
 #pragma unroll
     for (int g = 0; g < NG; ++g) { cu[g] = 0.f; cc[g] = 0.f; }
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      x[e] = norm > 0.f ? x[e] / norm : 0.f;  // u = sqrt(D) * (H s x / sqrt(D)) / |x|
+    for (int s = 0; s < ES; ++s) {
 #pragma unroll
       for (int g = 0; g < NG; ++g) {
         const float gain = tab[2 * NC + g];
@@ -327,11 +355,11 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
         int at = 4;
 #pragma unroll
         for (int depth = 0; depth < BITS; ++depth)
-          at = 2 * at + (*reinterpret_cast<const float*>(tree + at) * gain < x[e] ? 4 : 0);
+          at = 2 * at + (*reinterpret_cast<const float*>(tree + at) * gain < u[s] ? 4 : 0);
         const int pos = at / 4 - NC;
-        code[g][e] = pos;
+        code[g][s] = pos;
         const float c = live ? tab[NC + pos] : 0.f;
-        cu[g] = fmaf(c, x[e], cu[g]);
+        cu[g] = fmaf(c, u[s], cu[g]);
         cc[g] = fmaf(c, c, cc[g]);
       }
     }
@@ -343,6 +371,20 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
         cc[g] += __shfl_xor_sync(0xffffffffu, cc[g], off);
       }
     }
+    if constexpr (W > 1) {
+      if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < NG; ++g) { red[pw * 2 * NG + g] = cu[g]; red[pw * 2 * NG + NG + g] = cc[g]; }
+      }
+      part_sync<W>(bar);
+#pragma unroll
+      for (int g = 0; g < NG; ++g) {
+        cu[g] = red[g];
+        cc[g] = red[NG + g];
+#pragma unroll
+        for (int w = 1; w < W; ++w) { cu[g] += red[w * 2 * NG + g]; cc[g] += red[w * 2 * NG + NG + g]; }
+      }
+    }
     int best = 0;
     float best_score = cu[0] * fabsf(cu[0]) / cc[0], best_cc = cc[0];
 #pragma unroll
@@ -351,12 +393,12 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
       if (score > best_score) { best = g; best_score = score; best_cc = cc[g]; }
     }
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      q[e] = code[0][e];
+    for (int s = 0; s < ES; ++s) {
+      q[s] = code[0][s];
 #pragma unroll
-      for (int g = 1; g < NG; ++g) q[e] = g == best ? code[g][e] : q[e];  // registers, not a local array
+      for (int g = 1; g < NG; ++g) q[s] = g == best ? code[g][s] : q[s];  // registers, not a local array
     }
-    if (lane == 0) meta[0] = __float2half(norm / sqrtf(best_cc));
+    if (lane == 0 && pw == 0) meta[0] = __float2half(norm / sqrtf(best_cc));
   } else {  // affine, MLX's CPU rule (mlx/backend/cpu/quantized.cpp `quantize`)
     float lo = INFINITY, hi = -INFINITY;
 #pragma unroll
@@ -374,19 +416,24 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
     float bias = 0.f;
     if (q0 != 0.f) { scale = edge / q0; bias = edge; }
 #pragma unroll
-    for (int e = 0; e < E; ++e) q[e] = (uint32_t)fminf(fmaxf(rintf((x[e] - bias) / scale), 0.f), n_bins);
+    for (int s = 0; s < ES; ++s) {
+      float xs = x[s];
+#pragma unroll
+      for (int e = ES; e < E; ++e) xs = e == pw * ES + s ? x[e] : xs;
+      q[s] = (uint32_t)fminf(fmaxf(rintf((xs - bias) / scale), 0.f), n_bins);
+    }
     const int d0 = lane * E;
-    if (live && d0 % GS == 0) {
+    if (live && pw == 0 && d0 % GS == 0) {
       meta[d0 / GS] = __float2half(scale);
       meta[D / GS + d0 / GS] = __float2half(bias);
     }
   }
   if (live) {
 #pragma unroll
-    for (int e = 0; e < E; ++e) sidx[lane * E + e] = q[e];
+    for (int s = 0; s < ES; ++s) sidx[lane * E + pw * ES + s] = q[s];
   }
-  __syncwarp();
-  for (int w = lane; w < D * BITS / 32; w += 32) {  // word w of the bit stream
+  part_sync<W>(bar);
+  for (int w = pw * 32 + lane; w < D * BITS / 32; w += 32 * W) {  // word w of the bit stream
     uint32_t word = 0;
     const int first = (32 * w) / BITS, last = (32 * w + 31) / BITS;
     for (int i = first; i <= last && i < D; ++i) {
@@ -395,25 +442,27 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
     }
     codes[w] = word;
   }
-  __syncwarp();
 }
 """
 
 # Inputs: k, v [..., D] (strided), codec float [2 D + KT + VT] (`kernels.cuda_kv.codec_constants`: key
 # signs, value signs, then each AURA part's search table), kmean float [H * D] (with CENTER: subtracted
 # from every key first, `services.engine.cache.centering`). Output rows uint32 [N, ROWW].
-# One warp per part (K or V) of vector n = ((b * H) + h) * L + l: warp 2n codes the key, 2n + 1
-# the value, so the two searches run side by side (a decode step encodes a few vectors, and its
-# latency is one part's, not two). Lane j holds dims [j * E, j * E + E) (E = D / 32, or 1 with D
-# lanes when D < 32). Reductions and the Walsh-Hadamard butterflies across lanes are warp
-# shuffles; the one block barrier follows the staging of the search tables, before any warp leaves.
+# W = encode_warps(D) warps per part (K or V) of vector n = ((b * H) + h) * L + l: warp group 2n codes the
+# key, 2n + 1 the value, so the two searches run side by side (a decode step encodes a few vectors, and its
+# latency is one part's, not two). Every warp of a group holds the whole vector, lane j dims
+# [j * E, j * E + E) (E = D / 32, or 1 with D lanes when D < 32); reductions and the Walsh-Hadamard
+# butterflies across lanes are warp shuffles, the group meets at its named barrier (1 + its index in the
+# block); the one block barrier follows the staging of the search tables, before any group leaves.
 ENCODE = r"""
   constexpr int E = D >= 32 ? D / 32 : 1;  // dims per lane
   constexpr int LANES = D / E;              // lanes holding dims
+  constexpr int W = encode_warps(D), GB = EW / W;  // warps of a part, part groups a block
+  static_assert(EW % W == 0 && GB <= 15, "a block holds whole part groups, each with a named barrier");
   constexpr int KT = table_floats(KMODE, KBITS, NG), VT = table_floats(VMODE, VBITS, NG);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int gw = blockIdx.x * (blockDim.x / 32) + warp, n = gw / 2;
-  const bool is_key = gw % 2 == 0;  // warp-uniform: warp 2n codes vector n's key, 2n + 1 its value
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, grp = warp / W;
+  const int gg = blockIdx.x * GB + grp, n = gg / 2;
+  const bool is_key = gg % 2 == 0;  // group-uniform: group 2n codes vector n's key, 2n + 1 its value
   const int H = k_shape[1], L = k_shape[2];
   // Both parts' search tables in shared memory: the binary searches below then wait on no global load.
   // Unrolled (EW warps a block), so a thread's loads are all in flight before its first store.
@@ -424,11 +473,11 @@ ENCODE = r"""
     if (i < KT + VT) stab[i] = codec[2 * D + i];
   }
   __syncthreads();
-  if (n >= k_shape[0] * H * L) return;  // no block barrier follows: warps leave independently
+  if (n >= k_shape[0] * H * L) return;  // no block barrier follows: groups leave independently
   const int b = n / (H * L), h = (n / L) % H, l = n % L;
   const bool live = lane < LANES;
-  __shared__ uint32_t sidx_all[EW][D];
-  uint32_t* sidx = sidx_all[warp];
+  __shared__ uint32_t sidx_all[GB][D];
+  __shared__ float red_all[GB][W * 2 * NG];
   uint32_t* row = out + (size_t)n * ROWW;
   __half* meta = reinterpret_cast<__half*>(row + MOFF);
   const T* src = is_key ? k : v;
@@ -440,12 +489,15 @@ ENCODE = r"""
     x[e] = live ? static_cast<float>(src[b * st[0] + h * st[1] + l * st[2] + d * st[3]]) : 0.f;
     if (CENTER && is_key && live) x[e] -= kmean[h * D + d];
   }
+  const int pw = warp % W;
   if (is_key) {
-    encode_part<KMODE, KBITS, KGS, D, NG>(x, lane, codec, stab, sidx, row, meta);
+    encode_part<KMODE, KBITS, KGS, D, NG>(x, lane, pw, 1 + grp, codec, stab, sidx_all[grp], red_all[grp], row,
+                                          meta);
   } else {
-    encode_part<VMODE, VBITS, VGS, D, NG>(x, lane, codec + D, stab + KT, sidx, row + KWORDS, meta + KMH);
+    encode_part<VMODE, VBITS, VGS, D, NG>(x, lane, pw, 1 + grp, codec + D, stab + KT, sidx_all[grp],
+                                          red_all[grp], row + KWORDS, meta + KMH);
   }
-  if (PADMETA && !is_key && lane == 0) meta[KMH + VMH] = __float2half(0.f);
+  if (PADMETA && !is_key && lane == 0 && pw == 0) meta[KMH + VMH] = __float2half(0.f);
 """
 
 PARTIAL = r"""

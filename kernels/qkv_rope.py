@@ -118,30 +118,34 @@ _CODE = {"VALUE_OUT": "y[i] = a;\n    y[i + NT] = c;", "KEY_OUT": "nullptr", "PR
     ssign[i + NT] = codec[(is_k ? 0 : D) + i + NT];
   }"""}
 
-# `_SOURCE` with ENC: key and value blocks then code their vector into its pool row: warp 0 (D >= 64,
-# so D / 2 >= 32 threads) holds dims [lane * E, lane * E + E) of `y` (E = D / 32), subtracts the key mean
-# (CENTER, read before the barrier), and runs `encode_part` (`kernels.cuda_source`), exactly as `ENCODE`
-# does on the same values: a key and a value of one row are coded by two blocks into disjoint words and halves.
+# `_SOURCE` with ENC: key and value blocks then code their vector into its pool row: the block's first
+# `encode_warps(D)` warps (D >= 64: D / 2 threads hold them), each holding all of `y`, lane j dims
+# [j * E, j * E + E) (E = D / 32), subtract the key mean (CENTER, read before the barrier) and run
+# `encode_part` (`kernels.cuda_source`), exactly as `ENCODE` does on the same values: a key and a value
+# of one row are coded by two blocks into disjoint words and halves.
 _ENCODE = r"""
   if (is_q) return;  // block-uniform: no barrier follows for a query block
   constexpr int E = D / 32;
-  const int h = is_k ? j - H : j - H - KV;
+  constexpr int W = encode_warps(D);
+  static_assert(W * 32 <= NT, "the block holds the part's warps");
+  const int h = is_k ? j - H : j - H - KV, lane = i % 32;
   float xe[E];
-  if (CENTER && is_k && i < 32) {  // off the path to the codes: no global read after the barrier
+  if (CENTER && is_k) {  // off the path to the codes: no global read after the barrier
 #pragma unroll
-    for (int e = 0; e < E; ++e) xe[e] = kmean[h * D + i * E + e];
+    for (int e = 0; e < E; ++e) xe[e] = kmean[h * D + lane * E + e];
   }
   __syncthreads();  // y, the signs and the search table staged
-  if (i >= 32) return;
+  if (i >= 32 * W) return;
 #pragma unroll
-  for (int e = 0; e < E; ++e) xe[e] = CENTER && is_k ? y[i * E + e] - xe[e] : y[i * E + e];
+  for (int e = 0; e < E; ++e) xe[e] = CENTER && is_k ? y[lane * E + e] - xe[e] : y[lane * E + e];
   __shared__ uint32_t sidx[D];
+  __shared__ float red[W * 2 * NG];
   uint32_t* row = const_cast<uint32_t*>(pool) + (size_t)wrows[b * KV + h] * ROWW;  // in place
   __half* meta = reinterpret_cast<__half*>(row + MOFF);
   if (is_k) {
-    encode_part<KMODE, KBITS, KGS, D, NG>(xe, i, ssign, stab, sidx, row, meta);
+    encode_part<KMODE, KBITS, KGS, D, NG>(xe, lane, i / 32, 1, ssign, stab, sidx, red, row, meta);
   } else {
-    encode_part<VMODE, VBITS, VGS, D, NG>(xe, i, ssign, stab, sidx, row + KWORDS, meta + KMH);
+    encode_part<VMODE, VBITS, VGS, D, NG>(xe, lane, i / 32, 1, ssign, stab, sidx, red, row + KWORDS, meta + KMH);
     if (PADMETA && i == 0) meta[KMH + VMH] = __float2half(0.f);
   }
 """
@@ -270,7 +274,7 @@ def stores(fmt: LayerFormat, head_dim: int, rope: RopeSpec, dtype: mx.Dtype) -> 
     (`kernels.paged_attention.uses_cuda`: its kernel takes q, so it runs after the write; the MLX-ops
     path's page gathers do not, and could read the rows before they are written), a RoPE the kernel
     applies, and raw pools head_dim wide in the activations' dtype, or compressed rows of head_dim >= 64
-    (a warp of the block codes each vector)."""
+    (the block's first warps code each vector)."""
     if not uses_cuda(fmt) or fmt.key_dim != head_dim or head_dim % 2 or rope.dims % 2 or rope.dims > head_dim:
         return False
     return fmt.key.dtype == fmt.value.dtype == dtype if fmt.is_raw else head_dim >= 64
