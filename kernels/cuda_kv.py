@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -29,6 +30,7 @@ _STATIC_SHARED_BYTES = 48 * 1024  # a kernel's static shared memory at most (CUD
 _ENCODE_WARPS = 4  # warps per block of the encoder (`encode_warps` a vector part; `EW` in its source)
 _COMBINE_THREADS = 512  # the combine kernel's block at most (`NT` in its source)
 _MAX_SPLIT_PAGES = 256  # pages one split walks at most (its page ids sit in shared memory: `MAXPG`)
+_ONE_SPLIT_TOKENS, _ONE_SPLIT_BYTES = 768, 192 * 1024  # a few rows' short page tables: one split (`default_tuning`)
 
 
 def is_available() -> bool:
@@ -64,17 +66,26 @@ def _kernels() -> dict:
     }
 
 
+# The partial kernels' last statement: their block's softmax states into the split's partials.
+_MERGE_PARTS = re.compile(r"merge_states<D, G, (\w+)>\((.*), S, split, o_part, ml_part\);")
+
+
 @functools.cache
-def _partial_kernel(mma: bool, coded: bool):
+def _partial_kernel(mma: bool, coded: bool, final: bool = False):
     """A partial kernel (`PARTIAL`, or `PARTIAL_MMA` on the tensor cores). Coded: one pool and one tail pool
-    (K and V share a row), the other inputs as raw's: every input costs host time at each launch."""
+    (K and V share a row), the other inputs as raw's: every input costs host time at each launch. Final: the
+    one-split launch, writing the attention output (`merge_final`) where the combine kernel would have."""
     name, source, header = ("bm_paged_decode_mma", PARTIAL_MMA, MMA_HEADER) if mma else ("bm_paged_decode_partial",
                                                                                           PARTIAL, "")
     pools = ["kp", "kt"] if coded else ["kp", "vp", "kt", "vt"]
     if coded:  # values are read from the keys' rows
         name, source = name + "_coded", "const RT* vp = kp;\nconst RT* vt = kt;\n" + source
-    return custom_kernel(name, source, header, input_names=["q", *pools, "pt", "lens", "cb"],
-                         output_names=["o_part", "ml_part"])
+    outputs = ["o_part", "ml_part"]
+    if final:
+        name, outputs = name + "_final", ["out"]
+        source, count = _MERGE_PARTS.subn(r"merge_final<T, D, G, \1, UNROTATE>(\2, cb + 512 + D, out);", source)
+        assert count == 1, "a partial kernel ends in one merge_states call"
+    return custom_kernel(name, source, header, input_names=["q", *pools, "pt", "lens", "cb"], output_names=outputs)
 
 
 @functools.cache
@@ -84,13 +95,14 @@ def _constant(values: tuple, dtype: mx.Dtype) -> mx.array:
 
 @functools.cache
 def _attention_constants(fmt: LayerFormat, head_dim: int) -> mx.array:
-    """The partial kernels' constants, float32 [512 + head_dim]: AURA centroids (keys at 0, values at 256,
-    zeros where unused), then the keys' rotation signs (ones where keys are not AURA)."""
-    cb = np.zeros(512 + head_dim, np.float32)
+    """The partial kernels' constants, float32 [512 + 2 * head_dim]: AURA centroids (keys at 0, values at 256,
+    zeros where unused), then the keys' rotation signs and the values' (ones where a part is not AURA)."""
+    cb = np.zeros(512 + 2 * head_dim, np.float32)
     for offset, part in ((0, fmt.key), (256, fmt.value)):
         if part.kind == AURA:
             cb[offset : offset + (1 << part.bits)] = np.array(aura_codebook(part.bits))
-    cb[512:] = _sign_vector(fmt.key, head_dim)
+    cb[512 : 512 + head_dim] = _sign_vector(fmt.key, head_dim)
+    cb[512 + head_dim :] = _sign_vector(fmt.value, head_dim)
     return mx.array(cb)
 
 
@@ -203,6 +215,8 @@ class Tuning:
         mma (bool): Scores and value sums on the tensor cores (`kernels.cuda_mma`; fp16/bf16 queries,
             head_dim 64 or 128, at most 16 query heads a kv head): a tile is
             `16 * warps * unroll` tokens in a ring of `stages` (at least 2); else the lanes' FMAs.
+        one_split_tokens (int): A page table of this many token slots or fewer is one split, whose launch
+            writes the output itself (no combine kernel); 0: splits fill the GPU at every width.
     """
 
     dims_per_lane: int = 8
@@ -214,19 +228,24 @@ class Tuning:
     stages: int = 0
     stage_bytes: int = 8192
     mma: bool = False
+    one_split_tokens: int = 0
 
 
-def _split_plan(max_tokens: int, batch: int, n_kv_heads: int, page_size: int, waves: int) -> tuple[int, int]:
+def _split_plan(max_tokens: int, batch: int, n_kv_heads: int, page_size: int, waves: int,
+                one_split_tokens: int = 0) -> tuple[int, int]:
     """(tokens per split, splits) of a row's `max_tokens` slots (tokens, whole pages per split).
 
-    Enough blocks (`batch * n_kv_heads * splits`) to fill the GPU `waves` times over, each split
-    at most `_MAX_SPLIT_PAGES` pages. Where that cap asks for more splits than the fill does, the
-    slots are shared out equally (whole pages) over a multiple of the fill's count: a cap that left two
+    One split where `max_tokens <= one_split_tokens` (and `_MAX_SPLIT_PAGES` pages hold it). Otherwise
+    enough blocks (`batch * n_kv_heads * splits`) to fill the GPU `waves` times over, each split at most
+    `_MAX_SPLIT_PAGES` pages.
+    Where that cap asks for more splits than the fill does, the slots are shared out equally (whole pages) over a multiple of the fill's count: a cap that left two
     full splits and a sliver (8,448 slots of a bucketed page table: 4,096 + 4,096 + 256) put a third
     of the blocks late in the launch, and the full ones behind them ran in a second round
     (`ops/results/kernel_sweep_gpu_split_plan.json`: 32 rows at 8,214 tokens, split 4,096 + 4,096 + 32,
     affine4 3.08 ms against 2.55 at 8,192; 2.63 in four equal splits).
     """
+    if max_tokens <= min(one_split_tokens, _MAX_SPLIT_PAGES * page_size):
+        return max(page_size, -(-max_tokens // page_size) * page_size), 1
     target = max(1, math.ceil(waves * NUM_SMS / (batch * n_kv_heads)))
     needed = math.ceil(max_tokens / (_MAX_SPLIT_PAGES * page_size))  # the cap's minimum
     splits = target if needed <= target else target * math.ceil(needed / target)
@@ -278,7 +297,8 @@ def decode_attention(
     if not fmt.is_regular:
         raise ValueError(f"the CUDA kernels take regular formats only (kernels.paged_attention.uses_cuda), got {fmt}")
     tuning = tuning or default_tuning(fmt, batch * n_kv_heads)
-    per_split, splits = _split_plan(page_table.shape[1] * page_size, batch, n_kv_heads, page_size, tuning.waves)
+    per_split, splits = _split_plan(page_table.shape[1] * page_size, batch, n_kv_heads, page_size, tuning.waves,
+                                    tuning.one_split_tokens)
     assert per_split <= _MAX_SPLIT_PAGES * page_size, "the partial kernel holds a split's page ids in shared memory"
     assert page_table.shape[1] == 0 or per_split == page_size * -(-page_table.shape[1] // splits), \
         "the kernels derive a split's width from the page table and the grid"
@@ -297,15 +317,19 @@ def decode_attention(
         template = common + [("LPT", lanes), ("W", warps), ("U", tuning.unroll), ("QREG", tuning.query_in_registers),
                              ("PREFETCH", tuning.prefetch), *staging]
     pool_inputs = [pools[0], pools[1], tails[0], tails[1]] if fmt.is_raw else [pools[0], tails[0]]
-    o_part, ml_part = _partial_kernel(mma is not None, not fmt.is_raw)(
-        inputs=[queries, *pool_inputs, page_table, lengths, _attention_constants(fmt, head_dim)],
-        template=template,
-        grid=(splits * 32 * warps, n_kv_heads, batch),
-        threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(batch, n_heads, splits, head_dim), (batch, n_heads, splits, 2)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
+    launch = dict(inputs=[queries, *pool_inputs, page_table, lengths, _attention_constants(fmt, head_dim)],
+                  grid=(splits * 32 * warps, n_kv_heads, batch), threadgroup=(32 * warps, 1, 1))
+    out_shape = (batch, n_heads * head_dim) if flat else (batch, n_heads, 1, head_dim)
     has_sink = sinks is not None
+    if splits == 1 and not has_sink:  # one launch: the partial kernel writes the output
+        (out,) = _partial_kernel(mma is not None, not fmt.is_raw, True)(
+            template=[*template, ("UNROTATE", fmt.value.kind == AURA)], output_shapes=[out_shape],
+            output_dtypes=[queries.dtype], **launch)
+        return out
+    o_part, ml_part = _partial_kernel(mma is not None, not fmt.is_raw)(
+        template=template,
+        output_shapes=[(batch, n_heads, splits, head_dim), (batch, n_heads, splits, 2)],
+        output_dtypes=[mx.float32, mx.float32], **launch)
     merge = min(_COMBINE_THREADS // head_dim, 1 << (splits - 1).bit_length())  # splits merged side by side
     (out,) = _kernels()["combine"](
         inputs=[o_part, ml_part, sinks.astype(mx.float32) if has_sink else _constant((0.0,), mx.float32),
@@ -314,7 +338,7 @@ def decode_attention(
                   ("UNROTATE", fmt.value.kind == AURA)],
         grid=(head_dim * merge, n_heads, batch),
         threadgroup=(head_dim * merge, 1, 1),
-        output_shapes=[(batch, n_heads * head_dim) if flat else (batch, n_heads, 1, head_dim)],
+        output_shapes=[out_shape],
         output_dtypes=[queries.dtype],
     )
     return out
@@ -442,7 +466,10 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     its tiles there); at 1 x 32K (`ops/results/gpu_time_*_32k_long_tiles.json`, the engine's launches) aura8v4
     25.9 against 27.5 us a layer and aura4v4 23.9 against 24.7 at head_dim 64, 44.0 against 45.1 and 39.3
     against 41.0 at 128 (raw 24.5 and 47.3). Few rows (`rows < NUM_SMS`): four waves of blocks (short splits
-    across every SM); many rows: two, each block walking a long row. Elsewhere (float32 queries, head_dims other
+    across every SM), but a short page table (up to 768 slots, 192 KiB of a kv head's K/V) is one split and no
+    combine (`ops/results/split_ab_gpu.json`, engines stepped in turn at a 512-token context, tables of 528-768
+    slots: llama raw 1.05-1.09x, aura4v4 1.03x, qwen3 aura4v4 1.11x; qwen3 raw, 384 KiB, 0.93x); many rows: two
+    waves, each block walking a long row. Elsewhere (float32 queries, head_dims other
     than 64 and 128, more than 16 query heads a kv head, a lane's codes not whole words) the FMA kernel, its
     rows staged by `cp.async` (at 32 x 8K 3.0-3.8 ms against 3.6-4.4 loading straight to registers). GPUs before
     compute capability 8.0 have neither `cp.async` nor `mma.m16n8k16`: they load straight into registers, the
@@ -455,8 +482,9 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     if _compute_capability() < 8:
         return Tuning(dims_per_lane=wide, unroll=1, warps=4, waves=waves, prefetch=many)
     long_tiles = not fmt.is_raw and (fmt.head_dim <= 64 or not many)
+    one_split = 0 if many else min(_ONE_SPLIT_TOKENS, _ONE_SPLIT_BYTES // fmt.bytes_per_row)
     return Tuning(dims_per_lane=wide, unroll=2 if long_tiles else 1, warps=4 if fmt.head_dim <= 64 else 2,
-                  waves=waves, stages=4, mma=True)
+                  waves=waves, stages=4, mma=True, one_split_tokens=one_split)
 
 
 @functools.cache

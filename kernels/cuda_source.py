@@ -18,7 +18,8 @@ Three kernels, all reading and writing the row format of `kernels.kv_format`:
   `PREFETCH` issues the next tile's loads before this tile's math. The tensor-core twin that
   serves fp16/bf16 layers is `kernels.cuda_mma.PARTIAL_MMA` (same inputs, outputs and helpers).
 - `COMBINE`: merges the splits (and a learned attention sink), divides, and un-rotates AURA
-  values in shared memory.
+  values in shared memory. A launch of one split and no sink skips it: its partial kernel writes the
+  output itself (`merge_final`, the same arithmetic).
 
 Addressing: token slot t of row b, kv head h lives in pool row
 `(h * pages + page) * P + t % P` with `page = page_table[b, t / P]`; page ids >= `pages`
@@ -274,6 +275,35 @@ __device__ __forceinline__ void merge_states(const float* sm_m, const float* sm_
     const size_t hq = hq0 + g;
     o_part[(hq * S + split) * D + d] = O;
     if (d == 0) { ml_part[(hq * S + split) * 2] = M; ml_part[(hq * S + split) * 2 + 1] = L; }
+  }
+}
+
+// The one-split launch (`FINAL`: the row's whole history in one split, no attention sink): merges as
+// `merge_states` and writes the output itself, out [.., D] in T, as COMBINE would from this split's
+// partials: O / L, AURA values (UNROTATE) taken back to the model's domain (a Walsh-Hadamard transform of
+// the G heads' rows, left in place in `sm_acc`'s first G rows: a (g, d) entry there is read only by the
+// thread that writes it; the value signs `vsign` [D]; 1 / sqrt(D)). Every thread of the block calls it,
+// after a barrier.
+template <typename T, int D, int G, int E, bool UNROTATE>
+__device__ __forceinline__ void merge_final(const float* sm_m, const float* sm_l, float* sm_acc, size_t hq0,
+                                            const float* vsign, T* out) {
+  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+    const int g = idx / D, d = idx % D;
+    float M = -1e30f;
+    for (int j = 0; j < E; ++j) M = fmaxf(M, sm_m[j * G + g]);
+    float L = 0.f, O = 0.f;
+    for (int j = 0; j < E; ++j) {
+      const float f = exp2f(sm_m[j * G + g] - M);
+      L = fmaf(sm_l[j * G + g], f, L);
+      O = fmaf(sm_acc[(j * G + g) * D + d], f, O);
+    }
+    const float y = L > 0.f ? O / L : 0.f;
+    if (UNROTATE) sm_acc[idx] = y; else out[(hq0 + g) * D + d] = static_cast<T>(y);
+  }
+  if constexpr (UNROTATE) {
+    fwht_shared<D>(sm_acc, G);  // barriers before and after
+    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x)
+      out[hq0 * D + idx] = static_cast<T>(sm_acc[idx] * vsign[idx % D] * rsqrtf((float)D));
   }
 }
 

@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--stages", default="0,4", help="0: loads straight to registers; n: a ring of n stages")
     parser.add_argument("--stage-bytes", default="8192")
     parser.add_argument("--mma", default="0,1", help="1: the tensor-core kernel (dims per lane, prefetch unused)")
+    parser.add_argument("--one-split-tokens", default="0", help="page tables this wide or narrower: one split")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10, help="decode steps (all layers) per sample")
     parser.add_argument("--gpu-time", action="store_true",
@@ -129,7 +130,8 @@ def main() -> None:
     grid = [Tuning(*t) for t in itertools.product(ints(args.dims_per_lane), ints(args.unroll), ints(args.warps),
                                                    ints(args.waves), map(bool, ints(args.query_in_registers)),
                                                    map(bool, ints(args.prefetch)), ints(args.stages),
-                                                   ints(args.stage_bytes), map(bool, ints(args.mma)))]
+                                                   ints(args.stage_bytes), map(bool, ints(args.mma)),
+                                                   ints(args.one_split_tokens))]
     tunings = [t for t in grid  # prefetching is the unstaged FMA kernel's; the tensor-core kernel needs 2+ stages
                if not (t.prefetch and t.stages) and not (t.mma and (t.prefetch or t.stages < 2))]
     results = []

@@ -108,6 +108,28 @@ def test_split_plan_hand_derived(max_tokens, batch, want):
     assert cuda_kv._split_plan(max_tokens, batch, 8, 16, 2) == want
 
 
+@pytest.mark.parametrize("scheme, head_dim, rows, want", [
+    ("raw", 64, 8, 768),  # 256 bytes a token (K and V, bf16): 192 KiB at 768 slots
+    ("raw", 128, 8, 384),  # 512 bytes a token: 192 KiB at 384
+    ("aura4v4", 128, 8, 768),  # 64 + 64 code bytes and 4 of meta: 1,489 under 192 KiB, capped at 768
+    ("raw", 64, 256, 0),  # many rows: splits fill the GPU at every width
+])
+def test_default_one_split_width_hand_derived(monkeypatch, scheme, head_dim, rows, want):
+    monkeypatch.setattr(cuda_kv, "_compute_capability", lambda: 9)
+    fmt = layer_format(scheme, layer=0, dtype=mx.bfloat16, head_dim=head_dim)
+    assert cuda_kv.default_tuning(fmt, rows).one_split_tokens == want
+
+
+@pytest.mark.parametrize("max_tokens, one_split_tokens, want", [
+    (528, 768, (528, 1)),  # a 512-token row's bucketed table: one split, no combine
+    (768, 768, (768, 1)),
+    (769, 768, (32, 25)),  # past it, the fill's plan: 2 waves over 8 heads ask 33 splits, 769 / 33 -> 2 pages
+    (8192, 8192, (256, 32)),  # one split holds 256 pages at most (4096 slots): the fill's plan, 16 pages each
+])
+def test_one_split_plan_hand_derived(max_tokens, one_split_tokens, want):
+    assert cuda_kv._split_plan(max_tokens, 1, 8, 16, 2, one_split_tokens) == want
+
+
 @pytest.mark.parametrize("batch", [1, 3, 17, 32, 64])
 @pytest.mark.parametrize("page", [16, 5, 1])
 @pytest.mark.parametrize("waves", [2, 4])

@@ -11,6 +11,7 @@ path (what CI runs). `BM_ATTENTION_FULL=1` widens the matrix (the H200 run uses 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -316,6 +317,36 @@ def test_capped_splits_match_float64_reference(monkeypatch, scheme):
             keys, values = decode_rows_ref(fmt, store.stored[b])
             want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, 0.125, np.ones((1, n), bool))
             np.testing.assert_allclose(got[b], want, atol=tolerance(), rtol=relative(), err_msg=f"{tuning} row {b}")
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="split plans exist only in the CUDA kernels, which need MLX's CUDA backend; run on the H200")
+@pytest.mark.parametrize("tuning", [cuda_kv.Tuning(stages=4), cuda_kv.Tuning(warps=2, stages=4, mma=True)],
+                         ids=["fma", "mma"])
+@pytest.mark.parametrize("scheme, head_dim, group", [("raw", 64, 4), ("affine4", 128, 2), ("aura4v4", 64, 4),
+                                                     ("aura8v4", 128, 2), ("aura4v2", 128, 8)])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sink", "sink"])
+def test_one_split_matches_float64_reference(tuning, scheme, head_dim, group, with_sinks):
+    """A page table no wider than `one_split_tokens` is one split: without a sink its launch writes the output
+    itself (`merge_final`, AURA values rotated back in the block), with one the combine kernel still runs;
+    rows of 1 to 700 tokens over NaN-filled pools, like the split launches."""
+    fmt = layer_format(scheme, head_dim)
+    lengths = (1, 16, 17, 300, 700)
+    store = Store(fmt, lengths, 2, seed=head_dim + group)
+    rng = np.random.default_rng(12)
+    q = mx.array(rng.standard_normal((len(lengths), 2 * group, 1, head_dim)).astype(np.float32)).astype(DTYPE)
+    sinks = mx.array(rng.standard_normal(2 * group).astype(np.float32)) if with_sinks else None
+    table, lens = mx.array(store.page_table.astype(np.int32)), mx.array(np.array(lengths, np.int32))
+    tuning = dataclasses.replace(tuning, one_split_tokens=table.shape[1] * PAGE)
+    assert cuda_kv._split_plan(table.shape[1] * PAGE, len(lengths), 2, PAGE, tuning.waves,
+                               tuning.one_split_tokens)[1] == 1
+    scale = 1 / math.sqrt(head_dim)
+    got = as_np(cuda_kv.decode_attention(q, fmt, tuple(store.pools), None, table, lens, n_kv_heads=2, page_size=PAGE,
+                                         scale=scale, sinks=sinks, tuning=tuning))
+    for b, n in enumerate(lengths):
+        keys, values = decode_rows_ref(fmt, store.stored[b])
+        want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, scale, np.ones((1, n), bool),
+                             None if sinks is None else as_np(sinks).astype(np.float64))
+        np.testing.assert_allclose(got[b], want, atol=tolerance(), rtol=relative(), err_msg=f"row {b}")
 
 
 @pytest.mark.parametrize("scheme", ["raw", "affine8", "aura4v2"])
