@@ -256,22 +256,32 @@ __device__ __forceinline__ void stage_block(const T* qrow, const float* qsign, f
   }
 }
 
-// Merges a block's E softmax states of each of its G query heads (`sm_m`, `sm_l` [E][G], `sm_acc`
-// [E][G][D], log2 units) into the split's partials: o_part [.., S, D] and ml_part [.., S, 2] (max,
-// sum-exp) of query heads hq0 .. hq0 + G - 1. Every thread of the block calls it, after a barrier.
+// The E softmax states of query head g merged at dim d (`sm_m`, `sm_l` [E][G], `sm_acc` [E][G][D], log2
+// units): max M, sum-exp L, accumulator O.
+template <int D, int G, int E>
+__device__ __forceinline__ void merge_at(const float* sm_m, const float* sm_l, const float* sm_acc, int g, int d,
+                                         float& M, float& L, float& O) {
+  M = -1e30f;
+  for (int j = 0; j < E; ++j) M = fmaxf(M, sm_m[j * G + g]);
+  L = 0.f;
+  O = 0.f;
+  for (int j = 0; j < E; ++j) {
+    const float f = exp2f(sm_m[j * G + g] - M);
+    L = fmaf(sm_l[j * G + g], f, L);
+    O = fmaf(sm_acc[(j * G + g) * D + d], f, O);
+  }
+}
+
+// Merges a block's E softmax states of each of its G query heads (`merge_at`) into the split's partials:
+// o_part [.., S, D] and ml_part [.., S, 2] (max, sum-exp) of query heads hq0 .. hq0 + G - 1. Every thread of
+// the block calls it, after a barrier.
 template <int D, int G, int E>
 __device__ __forceinline__ void merge_states(const float* sm_m, const float* sm_l, const float* sm_acc, size_t hq0,
                                              int S, int split, float* o_part, float* ml_part) {
   for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
     const int g = idx / D, d = idx % D;
-    float M = -1e30f;
-    for (int j = 0; j < E; ++j) M = fmaxf(M, sm_m[j * G + g]);
-    float L = 0.f, O = 0.f;
-    for (int j = 0; j < E; ++j) {
-      const float f = exp2f(sm_m[j * G + g] - M);
-      L = fmaf(sm_l[j * G + g], f, L);
-      O = fmaf(sm_acc[(j * G + g) * D + d], f, O);
-    }
+    float M, L, O;
+    merge_at<D, G, E>(sm_m, sm_l, sm_acc, g, d, M, L, O);
     const size_t hq = hq0 + g;
     o_part[(hq * S + split) * D + d] = O;
     if (d == 0) { ml_part[(hq * S + split) * 2] = M; ml_part[(hq * S + split) * 2 + 1] = L; }
@@ -279,7 +289,7 @@ __device__ __forceinline__ void merge_states(const float* sm_m, const float* sm_
 }
 
 // The one-split launch (`FINAL`: the row's whole history in one split, no attention sink): merges as
-// `merge_states` and writes the output itself, out [.., D] in T, as COMBINE would from this split's
+// `merge_states` (`merge_at`) and writes the output itself, out [.., D] in T, as COMBINE would from this split's
 // partials: O / L, AURA values (UNROTATE) taken back to the model's domain (a Walsh-Hadamard transform of
 // the G heads' rows, left in place in `sm_acc`'s first G rows: a (g, d) entry there is read only by the
 // thread that writes it; the value signs `vsign` [D]; 1 / sqrt(D)). Every thread of the block calls it,
@@ -289,14 +299,8 @@ __device__ __forceinline__ void merge_final(const float* sm_m, const float* sm_l
                                             const float* vsign, T* out) {
   for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
     const int g = idx / D, d = idx % D;
-    float M = -1e30f;
-    for (int j = 0; j < E; ++j) M = fmaxf(M, sm_m[j * G + g]);
-    float L = 0.f, O = 0.f;
-    for (int j = 0; j < E; ++j) {
-      const float f = exp2f(sm_m[j * G + g] - M);
-      L = fmaf(sm_l[j * G + g], f, L);
-      O = fmaf(sm_acc[(j * G + g) * D + d], f, O);
-    }
+    float M, L, O;
+    merge_at<D, G, E>(sm_m, sm_l, sm_acc, g, d, M, L, O);
     const float y = L > 0.f ? O / L : 0.f;
     if (UNROTATE) sm_acc[idx] = y; else out[(hq0 + g) * D + d] = static_cast<T>(y);
   }
