@@ -82,10 +82,21 @@ def _partial_kernel(mma: bool, coded: bool, final: bool = False):
         name, source = name + "_coded", "const RT* vp = kp;\nconst RT* vt = kt;\n" + source
     outputs = ["o_part", "ml_part"]
     if final:
-        name, outputs = name + "_final", ["out"]
-        source, count = _MERGE_PARTS.subn(r"merge_final<T, D, G, \1, UNROTATE>(\2, cb + 512 + D, out);", source)
-        assert count == 1, "a partial kernel ends in one merge_states call"
+        name, source, outputs = name + "_final", final_source(source), ["out"]
     return custom_kernel(name, source, header, input_names=["q", *pools, "pt", "lens", "cb"], output_names=outputs)
+
+
+def final_source(source: str) -> str:
+    """A partial kernel's source (`PARTIAL`, `PARTIAL_MMA`) as its one-split launch: `merge_final` writes `out`
+    (the values' rotation signs at `cb + 512 + D`) where `merge_states` wrote the split's partials.
+
+    Raises:
+        ValueError: a source without exactly one `merge_states` call of the partial kernels' form.
+    """
+    out, count = _MERGE_PARTS.subn(r"merge_final<T, D, G, \1, UNROTATE>(\2, cb + 512 + D, out);", source)
+    if count != 1:
+        raise ValueError(f"a partial kernel ends in one merge_states call; found {count}")
+    return out
 
 
 @functools.cache
@@ -215,8 +226,9 @@ class Tuning:
         mma (bool): Scores and value sums on the tensor cores (`kernels.cuda_mma`; fp16/bf16 queries,
             head_dim 64 or 128, at most 16 query heads a kv head): a tile is
             `16 * warps * unroll` tokens in a ring of `stages` (at least 2); else the lanes' FMAs.
-        one_split_tokens (int): A page table of this many token slots or fewer is one split, whose launch
-            writes the output itself (no combine kernel); 0: splits fill the GPU at every width.
+        one_split_tokens (int): A page table of this many token slots or fewer is one split; 0: splits fill
+            the GPU at every width. Any launch of one split and no attention sink (this, or many rows
+            whose fill needs one) writes the output itself, no combine kernel.
     """
 
     dims_per_lane: int = 8

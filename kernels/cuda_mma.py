@@ -16,7 +16,7 @@ once: an affine one to `scale * q + bias`; an AURA one to its unit centroid, loo
 table, with the vector's scale applied outside the products (keys' to the scores, values' to P).
 Since a product's contraction order is free, compressed dims are permuted per lane (below: KSPAN,
 VSPAN) so that a lane's codes are whole words. The warps' states merge in shared memory
-(`merge_states`).
+(`merge_states`; in a one-split launch, `merge_final` writes the output).
 
 Slots past a split's end score -inf and their V elements are zeros (a NaN left in storage never
 reaches an output: 0 * NaN would).
@@ -107,7 +107,7 @@ PARTIAL_MMA = r"""
   __shared__ float qs[G * D];
   __shared__ int pids[MAXPG], live;
   __shared__ __align__(16) unsigned char smem[SMEM];
-  // cb: AURA centroids [512], then the keys' rotation signs [D] (`kernels.cuda_kv._attention_constants`)
+  // cb: AURA centroids [512], the keys' rotation signs [D], the values' [D] (`cuda_kv._attention_constants`)
   stage_block<T, T, D, G, KCB, VCB, MAXPG, 32 * W, ROTATE>(q + ((size_t)(b * Hkv + h) * G) * D, cb + 512,
                                                           __int_as_float(QSCALE), cb, pt + (size_t)b * NP + pg0,
                                                           min(tps / P, NP - pg0), lens + b, qs, cbs, pids, &live);

@@ -1,9 +1,9 @@
 """CUDA sources of the KV kernels (compiled at first use by `mx.fast.cuda_kernel`, NVRTC).
 
 Three kernels, all reading and writing the row format of `kernels.kv_format`:
-- `ENCODE`: K and V vectors of one (token, head) -> one compressed row, one warp a part up to
-  head_dim 64, D / 64 past it (`encode_part` in `HEADER`, which `kernels.qkv_rope`'s fused kernel
-  shares. AURA: rotate with a fast Walsh-Hadamard transform in warp shuffles, Lloyd-Max search
+- `ENCODE`: K and V vectors of one (token, head) -> one compressed row, `encode_warps(D)` warps a
+  part (1; 2 from head_dim 128, 4 from 256, where a lane's dims split evenly) (`encode_part` in
+  `HEADER`, which `kernels.qkv_rope`'s fused kernel shares. AURA: rotate with a fast Walsh-Hadamard transform in warp shuffles, Lloyd-Max search
   over the gains of `kernels.aura.GAINS`, pack, norm-corrected scale;
   affine: MLX's CPU `mx.quantize` rule exactly: min/max, edge snapped to the grid, `rint`).
 - `PARTIAL`: split-K decode attention ("flash-decoding") on the lanes' FMAs: one block per
@@ -556,7 +556,7 @@ PARTIAL = r"""
   __shared__ float qs[G * D];
   __shared__ int pids[MAXPG], live;  // the split's page ids: a K/V load then waits on no global read
   __shared__ __align__(16) unsigned char smem[SMEM];  // NS stages of K/V rows, then the merge's rows
-  // cb: AURA centroids [512], then the keys' rotation signs [D] (`kernels.cuda_kv._attention_constants`)
+  // cb: AURA centroids [512], the keys' rotation signs [D], the values' [D] (`cuda_kv._attention_constants`)
   stage_block<T, float, D, G, KCB, VCB, MAXPG, 32 * W, ROTATE>(q + ((size_t)(b * Hkv + h) * G) * D, cb + 512,
                                                               __int_as_float(QSCALE), cb, pt + (size_t)b * NP + pg0,
                                                               min(tps / P, NP - pg0), lens + b, qs, cbs, pids, &live);

@@ -164,24 +164,37 @@ def test_compact_refuses_what_a_line_scan_cannot_strip(source):
 
 HELPER_SETS = [
     ("COMBINE", {"fwht_shared"}),  # it un-rotates AURA values, nothing else
-    ("ENCODE", {"encode_part", "fwht_warp", "table_floats"}),
-    ("qkv", {"encode_part", "fwht_warp", "table_floats"}),
+    ("ENCODE", {"encode_part", "encode_warps", "part_sync", "fwht_warp", "table_floats"}),
+    ("qkv", {"encode_part", "encode_warps", "part_sync", "fwht_warp", "table_floats"}),
     ("PARTIAL_MMA", {"code_float", "cp_async", "cp_async_commit", "cp_async_wait", "fast_exp2", "fwht_warp",
-                     "merge_states", "stage_block"}),  # not the FMA kernel's slices, the encoder, the combine's
+                     "merge_at", "merge_states", "stage_block"}),  # not the FMA kernel's slices, the encoder, the combine's
     ("PARTIAL", {"Slice", "slice_words", "fetch_slice", "decode_slice", "code_float", "cp_async", "cp_async_commit",
-                 "cp_async_wait", "fast_exp2", "fwht_warp", "merge_states", "stage_block"}),
+                 "cp_async_wait", "fast_exp2", "fwht_warp", "merge_at", "merge_states", "stage_block"}),
+    ("PARTIAL_final", {"Slice", "slice_words", "fetch_slice", "decode_slice", "code_float", "cp_async",
+                       "cp_async_commit", "cp_async_wait", "fast_exp2", "fwht_warp", "fwht_shared", "merge_at",
+                       "merge_final", "stage_block"}),  # the one-split launch: the combine's rotation back, no partials
 ]
 
 
 @pytest.mark.parametrize("kernel, want", HELPER_SETS)
 def test_each_kernel_gets_the_helpers_it_calls_and_their_callees(kernel, want):
     source = {"PARTIAL_MMA": cuda_mma.MMA_HEADER + cuda_mma.PARTIAL_MMA,
-              "qkv": qkv_rope._source(qkv_rope._CODE) + qkv_rope._ENCODE}.get(kernel) or getattr(cuda_source, kernel)
+              "qkv": qkv_rope._source(qkv_rope._CODE) + qkv_rope._ENCODE,
+              "PARTIAL_final": cuda_kv.final_source(cuda_source.PARTIAL)}.get(kernel) or getattr(cuda_source, kernel)
     header = cuda_source.kernel_header(source)
     every = set().union(*(w for _, w in HELPER_SETS))  # HEADER's helpers, by hand
     defined = {n for n in every if re.search(rf"^(struct |__\w+__ .*\b){n}\b", header, re.M)}
     called = {n for n in every if re.search(rf"\b{n}\s*[(<]", header + cuda_source.compact(source))}
     assert defined == want and called <= defined  # what it calls, and what those call, and nothing else
+
+
+def test_final_source_swaps_the_one_partials_write_and_refuses_others():
+    for source in (cuda_source.PARTIAL, cuda_mma.PARTIAL_MMA):
+        final = cuda_kv.final_source(source)
+        assert "merge_states" not in final and final.count("merge_final<T, D, G, ") == 1
+        assert final.count("cb + 512 + D, out);") == 1
+    with pytest.raises(ValueError, match="found 0"):
+        cuda_kv.final_source(cuda_source.COMBINE)
 
 
 @pytest.mark.parametrize("key_aura, value_aura", [(False, True), (True, False), (True, True), (False, False)])
