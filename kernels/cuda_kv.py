@@ -249,10 +249,10 @@ def _split_plan(max_tokens: int, batch: int, n_kv_heads: int, page_size: int, wa
 
     One split where `max_tokens <= one_split_tokens` (and `_MAX_SPLIT_PAGES` pages hold it). Otherwise
     enough blocks (`batch * n_kv_heads * splits`) to fill the GPU `waves` times over, each split at most
-    `_MAX_SPLIT_PAGES` pages.
-    Where that cap asks for more splits than the fill does, the slots are shared out equally (whole pages) over a multiple of the fill's count: a cap that left two
-    full splits and a sliver (8,448 slots of a bucketed page table: 4,096 + 4,096 + 256) put a third
-    of the blocks late in the launch, and the full ones behind them ran in a second round
+    `_MAX_SPLIT_PAGES` pages. Where that cap asks for more splits than the fill does, the slots are shared
+    out equally (whole pages) over a multiple of the fill's count: a cap that left two full splits and a
+    sliver (8,448 slots of a bucketed page table: 4,096 + 4,096 + 256) put a third of the blocks late in
+    the launch, and the full ones behind them ran in a second round
     (`ops/results/kernel_sweep_gpu_split_plan.json`: 32 rows at 8,214 tokens, split 4,096 + 4,096 + 32,
     affine4 3.08 ms against 2.55 at 8,192; 2.63 in four equal splits).
     """

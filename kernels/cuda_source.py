@@ -3,8 +3,9 @@
 Three kernels, all reading and writing the row format of `kernels.kv_format`:
 - `ENCODE`: K and V vectors of one (token, head) -> one compressed row, `encode_warps(D)` warps a
   part (1; 2 from head_dim 128, 4 from 256, where a lane's dims split evenly) (`encode_part` in
-  `HEADER`, which `kernels.qkv_rope`'s fused kernel shares. AURA: rotate with a fast Walsh-Hadamard transform in warp shuffles, Lloyd-Max search
-  over the gains of `kernels.aura.GAINS`, pack, norm-corrected scale;
+  `HEADER`, which `kernels.qkv_rope`'s fused kernel shares. AURA: rotate with a fast Walsh-Hadamard
+  transform in warp shuffles, Lloyd-Max search over the gains of `kernels.aura.GAINS`, pack,
+  norm-corrected scale;
   affine: MLX's CPU `mx.quantize` rule exactly: min/max, edge snapped to the grid, `rint`).
 - `PARTIAL`: split-K decode attention ("flash-decoding") on the lanes' FMAs: one block per
   (split, kv head, row) walks its tokens through the row's page table, reads each K/V row once
@@ -321,6 +322,16 @@ __host__ __device__ constexpr int encode_warps(int d) {
   return d >= 256 && (d / 32) % 4 == 0 ? 4 : (d >= 128 && (d / 32) % 2 == 0 ? 2 : 1);
 }
 
+// Element s of warp pw's slice of a lane's E dims (x[pw * ES + s]), by selects: a register index, not a
+// local array.
+template <int E, int ES>
+__device__ __forceinline__ float slice_dim(const float (&x)[E], int pw, int s) {
+  float v = x[s];
+#pragma unroll
+  for (int e = ES; e < E; ++e) v = e == pw * ES + s ? x[e] : v;
+  return v;
+}
+
 // Barrier of the W warps that code one part (named barrier `id`, 1..15; one warp: __syncwarp).
 template <int W>
 __device__ __forceinline__ void part_sync(int id) {
@@ -363,9 +374,7 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
     float u[ES];  // this warp's slice: dims lane * E + pw * ES + s
 #pragma unroll
     for (int s = 0; s < ES; ++s) {
-      u[s] = x[s];
-#pragma unroll
-      for (int e = ES; e < E; ++e) u[s] = e == pw * ES + s ? x[e] : u[s];  // selects, not a local array
+      u[s] = slice_dim<E, ES>(x, pw, s);
       u[s] = norm > 0.f ? u[s] / norm : 0.f;  // u = sqrt(D) * (H s x / sqrt(D)) / |x|
     }
     // Gain search (kernels.aura): gain g's code of u is the count of thresholds t with float32(t * g) < u
@@ -450,12 +459,8 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
     float bias = 0.f;
     if (q0 != 0.f) { scale = edge / q0; bias = edge; }
 #pragma unroll
-    for (int s = 0; s < ES; ++s) {
-      float xs = x[s];
-#pragma unroll
-      for (int e = ES; e < E; ++e) xs = e == pw * ES + s ? x[e] : xs;
-      q[s] = (uint32_t)fminf(fmaxf(rintf((xs - bias) / scale), 0.f), n_bins);
-    }
+    for (int s = 0; s < ES; ++s)
+      q[s] = (uint32_t)fminf(fmaxf(rintf((slice_dim<E, ES>(x, pw, s) - bias) / scale), 0.f), n_bins);
     const int d0 = lane * E;
     if (live && pw == 0 && d0 % GS == 0) {
       meta[d0 / GS] = __float2half(scale);

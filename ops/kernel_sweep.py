@@ -3,9 +3,10 @@
 For each model shape, scheme and (streams, context), builds one layer's worth of page pools per
 layer of the model (random codes, finite meta: the kernel's cost does not depend on the values),
 then times the model's attention layers back to back (every layer's pools are distinct, so the
-L2 cache does not hold them) for each tuning (the case's `default_tuning` among them), best of `--repeats` rounds over all tunings, each
-sample after `WARM_S` of back-to-back steps (steady GPU clocks). GPU time per decode step's
-attention is what it reports (ms), with the bytes each step reads and the bandwidth that implies.
+L2 cache does not hold them) for each tuning (the case's `default_tuning` among them), best of
+`--repeats` rounds over all tunings, each sample after `WARM_S` of back-to-back steps (steady GPU
+clocks). GPU time per decode step's attention is what it reports (ms), with the bytes each step
+reads and the bandwidth that implies.
 
     python -m ops.kernel_sweep                      # CUDA only; writes ops/results/kernel_sweep_gpu.json
 

@@ -164,10 +164,10 @@ def test_compact_refuses_what_a_line_scan_cannot_strip(source):
 
 HELPER_SETS = [
     ("COMBINE", {"fwht_shared"}),  # it un-rotates AURA values, nothing else
-    ("ENCODE", {"encode_part", "encode_warps", "part_sync", "fwht_warp", "table_floats"}),
-    ("qkv", {"encode_part", "encode_warps", "part_sync", "fwht_warp", "table_floats"}),
+    ("ENCODE", {"encode_part", "encode_warps", "part_sync", "slice_dim", "fwht_warp", "table_floats"}),
+    ("qkv", {"encode_part", "encode_warps", "part_sync", "slice_dim", "fwht_warp", "table_floats"}),
     ("PARTIAL_MMA", {"code_float", "cp_async", "cp_async_commit", "cp_async_wait", "fast_exp2", "fwht_warp",
-                     "merge_at", "merge_states", "stage_block"}),  # not the FMA kernel's slices, the encoder, the combine's
+                     "merge_at", "merge_states", "stage_block"}),  # not the FMA kernel's slices, encoder, combine's
     ("PARTIAL", {"Slice", "slice_words", "fetch_slice", "decode_slice", "code_float", "cp_async", "cp_async_commit",
                  "cp_async_wait", "fast_exp2", "fwht_warp", "merge_at", "merge_states", "stage_block"}),
     ("PARTIAL_final", {"Slice", "slice_words", "fetch_slice", "decode_slice", "code_float", "cp_async",

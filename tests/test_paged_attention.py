@@ -319,7 +319,8 @@ def test_capped_splits_match_float64_reference(monkeypatch, scheme):
             np.testing.assert_allclose(got[b], want, atol=tolerance(), rtol=relative(), err_msg=f"{tuning} row {b}")
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="split plans exist only in the CUDA kernels, which need MLX's CUDA backend; run on the H200")
+@pytest.mark.skipif(not ON_CUDA, reason="the one-split launch is the CUDA kernels' (the MLX-ops path has no "
+                    "splits); needs MLX's CUDA backend; run on the H200")
 @pytest.mark.parametrize("tuning", [cuda_kv.Tuning(stages=4), cuda_kv.Tuning(warps=2, stages=4, mma=True)],
                          ids=["fma", "mma"])
 @pytest.mark.parametrize("scheme, head_dim, group", [("raw", 64, 4), ("affine4", 128, 2), ("aura4v4", 64, 4),
