@@ -472,10 +472,13 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     32K 0.49 over raw (FMA 1.25) and 0.50 over aura4v4 (0.65). Over affine4 at 1 x 32K the FMA kernel was faster
     (0.66 against 0.84 ms), at 1 x 8K slower (0.56 against 0.30): in the engine, where a single stream's step is
     bound by the host, affine4 on the tensor cores ran at 1.15 / 1.02 of raw at 8K / 32K, so it stays there.
-    Four warps at head_dim 64, two at 128 (the padded tiles of raw K/V must fit 48 KB); tiles of `16 * warps`
-    tokens, twice that for compressed K/V (each warp takes two 16-token chunks between barriers): over many rows
-    at head_dim 64 aura4v4 2.36 against 2.55 ms, affine4 2.63 against 2.74 (not measured at 128, so 128 keeps
-    its tiles there); at 1 x 32K (`ops/results/gpu_time_*_32k_long_tiles.json`, the engine's launches) aura8v4
+    Four warps at head_dim 64, two at 128 (the padded tiles of raw K/V must fit 48 KB) but four over AURA keys
+    of 4 bits or fewer (qwen3 shape aura4v4, `ops/results/kernel_sweep_gpu_cupti_hd128_tiles.json`: 32 x 8K
+    6.45 against 6.98 ms with two warps, 1 x 8K 0.92-0.98 against 0.99-1.11, 1 x 32K 1.59-1.61 against
+    1.69-1.80; aura8v4 and affine4 gained nothing from four); tiles of `16 * warps` tokens, twice that for
+    compressed K/V (each warp takes two 16-token chunks between barriers): over many rows at head_dim 64
+    aura4v4 2.36 against 2.55 ms, affine4 2.63 against 2.74, at 128 aura8v4 8.08 against 8.39, affine4 6.99
+    against 7.21-7.46; at 1 x 32K (`ops/results/gpu_time_*_32k_long_tiles.json`, the engine's launches) aura8v4
     25.9 against 27.5 us a layer and aura4v4 23.9 against 24.7 at head_dim 64, 44.0 against 45.1 and 39.3
     against 41.0 at 128 (raw 24.5 and 47.3). Few rows (`rows < NUM_SMS`): four waves of blocks (short splits
     across every SM), but a short page table (up to 768 slots, 192 KiB of a kv head's K/V) is one split and no
@@ -493,9 +496,10 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     waves = 2 if many else 4
     if _compute_capability() < 8:
         return Tuning(dims_per_lane=wide, unroll=1, warps=4, waves=waves, prefetch=many)
-    long_tiles = not fmt.is_raw and (fmt.head_dim <= 64 or not many)
+    narrow_aura_keys = fmt.head_dim == 128 and fmt.key.kind == AURA and fmt.key.bits <= 4
     one_split = 0 if many else min(_ONE_SPLIT_TOKENS, _ONE_SPLIT_BYTES // fmt.bytes_per_row)
-    return Tuning(dims_per_lane=wide, unroll=2 if long_tiles else 1, warps=4 if fmt.head_dim <= 64 else 2,
+    return Tuning(dims_per_lane=wide, unroll=1 if fmt.is_raw else 2,
+                  warps=4 if fmt.head_dim <= 64 or narrow_aura_keys else 2,
                   waves=waves, stages=4, mma=True, one_split_tokens=one_split)
 
 

@@ -21,18 +21,20 @@ from kernels import cuda_kv
 
 _SOURCE = r"""
   // One block of NT threads per row; thread t keeps elements [t * E, t * E + E) in registers, so each
-  // input is read once, all loads issued before any store: h = T(x + r) (MLX's add),
-  // y = T(w * T(h * rsqrt(mean(h^2) + eps))) (MLX's norm).
+  // input is read once, all loads (the weights and eps too) issued before the reduction's barriers:
+  // h = T(x + r) (MLX's add), y = T(w * T(h * rsqrt(mean(h^2) + eps))) (MLX's norm).
   constexpr int E = (H + NT - 1) / NT;
   const size_t base = (size_t)blockIdx.x * H;
   const int first = threadIdx.x * E;
-  float v[E];
+  float v[E], wv[E];
+  const float epsv = eps[0];
   float ss = 0.f;
 #pragma unroll
   for (int e = 0; e < E; ++e) {
     const int i = first + e;
     v[e] = i < H ? static_cast<float>(static_cast<T>(static_cast<float>(x[base + i]) + static_cast<float>(r[base + i])))
                  : 0.f;
+    wv[e] = i < H ? static_cast<float>(w[i]) : 0.f;
     ss = fmaf(v[e], v[e], ss);
   }
   __shared__ float part[32];
@@ -45,13 +47,13 @@ _SOURCE = r"""
     if (threadIdx.x == 0) part[0] = t;
   }
   __syncthreads();
-  const float inv = rsqrtf(part[0] / H + eps[0]);
+  const float inv = rsqrtf(part[0] / H + epsv);
 #pragma unroll
   for (int e = 0; e < E; ++e) {
     const int i = first + e;
     if (i < H) {
       h[base + i] = static_cast<T>(v[e]);
-      y[base + i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(v[e] * inv)));
+      y[base + i] = static_cast<T>(wv[e] * static_cast<float>(static_cast<T>(v[e] * inv)));
     }
   }
 """

@@ -120,6 +120,22 @@ def test_default_one_split_width_hand_derived(monkeypatch, scheme, head_dim, row
     assert cuda_kv.default_tuning(fmt, rows).one_split_tokens == want
 
 
+@pytest.mark.parametrize("scheme, head_dim, rows, warps, unroll", [
+    ("raw", 64, 8, 4, 1),  # raw tiles of 16 * warps tokens
+    ("raw", 128, 256, 2, 1),  # raw K and V tiles padded to 136 elements: two warps fit 48 KB
+    ("aura4v4", 64, 256, 4, 2),  # compressed: two 16-token chunks a warp between barriers
+    ("aura4v4", 128, 8, 4, 2),  # 4-bit AURA keys at 128: four warps (the sweep's best at 1 and 32 rows)
+    ("aura4v2", 128, 256, 4, 2),
+    ("aura8v4", 128, 256, 2, 2),  # 8-bit keys: two warps
+    ("affine4", 128, 256, 2, 2),
+])
+def test_default_tiles_hand_derived(monkeypatch, scheme, head_dim, rows, warps, unroll):
+    monkeypatch.setattr(cuda_kv, "_compute_capability", lambda: 9)
+    fmt = layer_format(scheme, layer=0, dtype=mx.bfloat16, head_dim=head_dim)
+    tuning = cuda_kv.default_tuning(fmt, rows)
+    assert (tuning.warps, tuning.unroll, tuning.mma) == (warps, unroll, True)
+
+
 @pytest.mark.parametrize("max_tokens, one_split_tokens, want", [
     (528, 768, (528, 1)),  # a 512-token row's bucketed table: one split, no combine
     (768, 768, (768, 1)),
