@@ -332,11 +332,10 @@ def decode_attention(
     launch = dict(inputs=[queries, *pool_inputs, page_table, lengths, _attention_constants(fmt, head_dim)],
                   grid=(splits * 32 * warps, n_kv_heads, batch), threadgroup=(32 * warps, 1, 1))
     out_shape = (batch, n_heads * head_dim) if flat else (batch, n_heads, 1, head_dim)
-    has_sink = sinks is not None
+    has_sink, unrotate = sinks is not None, ("UNROTATE", fmt.value.kind == AURA)
     if splits == 1 and not has_sink:  # one launch: the partial kernel writes the output
         (out,) = _partial_kernel(mma is not None, not fmt.is_raw, True)(
-            template=[*template, ("UNROTATE", fmt.value.kind == AURA)], output_shapes=[out_shape],
-            output_dtypes=[queries.dtype], **launch)
+            template=[*template, unrotate], output_shapes=[out_shape], output_dtypes=[queries.dtype], **launch)
         return out
     o_part, ml_part = _partial_kernel(mma is not None, not fmt.is_raw)(
         template=template,
@@ -346,8 +345,7 @@ def decode_attention(
     (out,) = _kernels()["combine"](
         inputs=[o_part, ml_part, sinks.astype(mx.float32) if has_sink else _constant((0.0,), mx.float32),
                 _signs(fmt.value, head_dim)],
-        template=[("T", queries.dtype), ("D", head_dim), ("HAS_SINK", has_sink),
-                  ("UNROTATE", fmt.value.kind == AURA)],
+        template=[("T", queries.dtype), ("D", head_dim), ("HAS_SINK", has_sink), unrotate],
         grid=(head_dim * merge, n_heads, batch),
         threadgroup=(head_dim * merge, 1, 1),
         output_shapes=[out_shape],

@@ -289,12 +289,12 @@ __device__ __forceinline__ void merge_states(const float* sm_m, const float* sm_
   }
 }
 
-// The one-split launch (`FINAL`: the row's whole history in one split, no attention sink): merges as
-// `merge_states` (`merge_at`) and writes the output itself, out [.., D] in T, as COMBINE would from this split's
-// partials: O / L, AURA values (UNROTATE) taken back to the model's domain (a Walsh-Hadamard transform of
-// the G heads' rows, left in place in `sm_acc`'s first G rows: a (g, d) entry there is read only by the
-// thread that writes it; the value signs `vsign` [D]; 1 / sqrt(D)). Every thread of the block calls it,
-// after a barrier.
+// The one-split launch (`kernels.cuda_kv.final_source`: the row's whole history in one split, no attention
+// sink): merges as `merge_states` (`merge_at`) and writes the output itself, out [.., D] in T, as COMBINE
+// would from this split's partials: O / L, AURA values (UNROTATE) taken back to the model's domain (a
+// Walsh-Hadamard transform of the G heads' rows, left in place in `sm_acc`'s first G rows: a (g, d) entry
+// there is read only by the thread that writes it; the value signs `vsign` [D]; 1 / sqrt(D)). Every thread
+// of the block calls it, after a barrier.
 template <typename T, int D, int G, int E, bool UNROTATE>
 __device__ __forceinline__ void merge_final(const float* sm_m, const float* sm_l, float* sm_acc, size_t hq0,
                                             const float* vsign, T* out) {
