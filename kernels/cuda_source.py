@@ -19,8 +19,8 @@ Three kernels, all reading and writing the row format of `kernels.kv_format`:
   `PREFETCH` issues the next tile's loads before this tile's math. The tensor-core twin that
   serves fp16/bf16 layers is `kernels.cuda_mma.PARTIAL_MMA` (same inputs, outputs and helpers).
 - `COMBINE`: merges the splits (and a learned attention sink), divides, and un-rotates AURA
-  values in shared memory. A launch of one split and no sink skips it: its partial kernel writes the
-  output itself (`merge_final`, the same arithmetic).
+  values (warp shuffles, then shared memory). A launch of one split and no sink skips it: its partial
+  kernel writes the output itself (`merge_final`, the same result up to float32 rounding).
 
 Addressing: token slot t of row b, kv head h lives in pool row
 `(h * pages + page) * P + t % P` with `page = page_table[b, t / P]`; page ids >= `pages`
@@ -747,51 +747,72 @@ PARTIAL = r"""
   merge_states<D, G, E>(sm_m, sm_l, sm_acc, (size_t)b * Hkv * G + (size_t)h * G, S, split, o_part, ml_part);
 """
 
-# One block of D * R threads per (query head, row): thread (r, d) merges dim d of splits r, r + R, ...,
-# then the R partial sums meet in shared memory (R = blockDim.x / D, a power of two). Sinks are in
-# natural-log units; the merge works in log2 units (partial scores were scaled by log2(e)).
+# One block of D * R threads per (query head, row): thread (r, d) merges dim d of splits r, r + R, ... online
+# (their loads in flight together, U at a time), then the R states meet in shared memory: one barrier, where
+# a global max first and tree sums took a memory latency and a dozen barriers more (R need not be a power of
+# two). AURA values are taken back to the model's domain by a Walsh-Hadamard transform of the D outputs:
+# strides below 32 in warp shuffles, wider ones through shared memory (the stages of `fwht_shared`, in its
+# order). Sinks are in natural-log units; the merge works in log2 units (partial scores were scaled by log2(e)).
 COMBINE = r"""
-  constexpr int NT = 512;  // threads per block at most (D * R)
+  constexpr int NT = 512, U = 16;  // threads per block at most (D * R, D >= 8); a thread's splits in flight
   const int d = threadIdx.x % D, r = threadIdx.x / D, R = blockDim.x / D;
   const int hq = blockIdx.y, b = blockIdx.z;
   const int Hq = o_part_shape[1], S = o_part_shape[2];
   const size_t row = (size_t)b * Hq + hq;
-  const float* mlp = ml_part + row * S * 2;
-  const float sink = HAS_SINK ? static_cast<float>(sinks[hq]) * 1.4426950408889634f : -1e30f;
-  __shared__ float red_o[NT], red_l[NT];
-  float M = sink;
-  for (int s = threadIdx.x; s < S; s += blockDim.x) M = fmaxf(M, mlp[2 * s]);
-  red_o[threadIdx.x] = M;
-  __syncthreads();
-  for (int w = blockDim.x / 2; w > 0; w >>= 1) {
-    if (threadIdx.x < w) red_o[threadIdx.x] = fmaxf(red_o[threadIdx.x], red_o[threadIdx.x + w]);
-    __syncthreads();
-  }
-  M = red_o[0];
-  __syncthreads();
-  float L = 0.f, O = 0.f;
-  for (int s = r; s < S; s += R) {
-    const float f = exp2f(mlp[2 * s] - M);
-    L = fmaf(mlp[2 * s + 1], f, L);
-    O = fmaf(o_part[(row * S + s) * D + d], f, O);
-  }
-  red_o[threadIdx.x] = O;
-  red_l[threadIdx.x] = L;
-  __syncthreads();
-  for (int w = R / 2; w > 0; w >>= 1) {
-    if (r < w) {
-      red_o[threadIdx.x] += red_o[threadIdx.x + w * D];
-      red_l[threadIdx.x] += red_l[threadIdx.x + w * D];
+  const float2* mlp = reinterpret_cast<const float2*>(ml_part) + row * S;  // (max, sum-exp) of each split
+  const float* op = o_part + row * S * D + d;
+  float m = -1e30f, l = 0.f, o = 0.f;
+  for (int s0 = r; s0 < S; s0 += U * R) {
+    float2 ml[U];
+    float os[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int s = s0 + u * R;
+      ml[u] = s < S ? mlp[s] : make_float2(-1e30f, 0.f);
+      os[u] = s < S ? op[(size_t)s * D] : 0.f;
     }
-    __syncthreads();
+    float mn = m;
+#pragma unroll
+    for (int u = 0; u < U; ++u) mn = fmaxf(mn, ml[u].x);
+    const float a = exp2f(m - mn);
+    l *= a;
+    o *= a;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const float f = exp2f(ml[u].x - mn);
+      l = fmaf(ml[u].y, f, l);
+      o = fmaf(os[u], f, o);
+    }
+    m = mn;
   }
-  L = red_l[d] + (HAS_SINK ? exp2f(sink - M) : 0.f);
-  float y = L > 0.f ? red_o[d] / L : 0.f;
+  __shared__ float sm_m[NT / 8], sm_l[NT / 8], red_o[NT];
+  if (d == 0) { sm_m[r] = m; sm_l[r] = l; }  // the same for every d of r
+  red_o[threadIdx.x] = o;
+  __syncthreads();
+  const float sink = HAS_SINK ? static_cast<float>(sinks[hq]) * 1.4426950408889634f : -1e30f;
+  float M = sink;
+  for (int j = 0; j < R; ++j) M = fmaxf(M, sm_m[j]);
+  float L = HAS_SINK ? exp2f(sink - M) : 0.f, O = 0.f;
+  for (int j = 0; j < R; ++j) {
+    const float f = exp2f(sm_m[j] - M);
+    L = fmaf(sm_l[j], f, L);
+    O = fmaf(red_o[j * D + d], f, O);
+  }
+  float y = L > 0.f ? O / L : 0.f;  // every r holds dim d's output: all take part in the transform
   if (UNROTATE) {
-    __shared__ float v[D];
-    if (r == 0) v[d] = y;
-    fwht_shared<D>(v, 1);
-    y = v[d] * vsign[d] * rsqrtf((float)D);
+#pragma unroll
+    for (int off = 1; off < D && off < 32; off <<= 1) {  // within a warp (D-aligned groups of lanes)
+      const float p = __shfl_xor_sync(0xffffffffu, y, off);
+      y = (d & off) ? p - y : y + p;
+    }
+    for (int off = 32; off < D; off <<= 1) {
+      __syncthreads();  // red_o's last reads are done
+      red_o[threadIdx.x] = y;
+      __syncthreads();
+      const float p = red_o[threadIdx.x ^ off];
+      y = (d & off) ? p - y : y + p;
+    }
+    y = y * vsign[d] * rsqrtf((float)D);
   }
   if (r == 0) out[row * D + d] = static_cast<T>(y);
 """
@@ -833,7 +854,7 @@ def kernel_header(source: str, header: str = HEADER) -> str:
 
     A helper is a blank-line-separated chunk of `header`; it is used where one of the names it defines
     (functions, structs) appears as a word. Every kernel gets only its own helpers: the combine kernel
-    needs one of HEADER's twelve chunks.
+    needs none of HEADER's twelve chunks.
 
     Raises:
         ValueError: a chunk whose definitions the scan does not name (one would be dropped unseen).

@@ -12,6 +12,7 @@ Needs PyTorch with CUDA next to MLX's CUDA backend (PyTorch is not a buttermilk 
 
     python -m ops.gpu_time --random-model llama-1b --batch-sizes 1,64
     python -m ops.gpu_time --random-model llama-1b --kv-cache raw,aura4v4 --context 8192 --batch-sizes 1,32
+    python -m ops.gpu_time --random-model qwen3-1.7b --context 32768 --tuning waves=2   # a launch-shape variant
 
 Writes JSON (default `ops/results/gpu_time_<model>.json`); not a test.
 """
@@ -29,6 +30,26 @@ import mlx.core as mx
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONTEXT_WARMUP = 4  # decode steps per stream before --context runs count tokens/s
+
+
+def tuning_override(text: str) -> dict[str, int]:
+    """`FIELD=INT[,FIELD=INT]` as `kernels.cuda_kv.Tuning` fields to replace in every decode-attention launch.
+
+    Raises:
+        ValueError: an item not `FIELD=INT`, or a field `Tuning` does not have.
+    """
+    import dataclasses
+
+    from kernels.cuda_kv import Tuning
+
+    fields = {f.name for f in dataclasses.fields(Tuning)}
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in fields or not value.lstrip("-").isdigit():
+            raise ValueError(f"--tuning takes FIELD=INT items of {sorted(fields)}, got {item!r}")
+        out[name] = int(value)
+    return out
 
 
 def merged_spans(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -133,10 +154,23 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=0, help="tokens of random K/V per stream before decode (0: short prompts)")
     parser.add_argument("--no-host-trace", action="store_true",
                         help="record only CUDA activity (the host runs closer to its unprofiled pace)")
+    parser.add_argument("--tuning", default="", help="FIELD=INT[,...]: replace these fields of the decode-attention "
+                        "launch shape (kernels.cuda_kv.Tuning) in every launch, e.g. waves=2,warps=1")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.kv_cache != "raw" and not args.context:
         parser.error("--kv-cache needs --context (short-prompt runs use the raw cache)")
+    try:
+        override = tuning_override(args.tuning)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if override:
+        import dataclasses
+
+        from kernels import cuda_kv
+
+        default = cuda_kv.default_tuning
+        cuda_kv.default_tuning = lambda fmt, rows: dataclasses.replace(default(fmt, rows), **override)
     import torch
 
     from ops.bench_batching import random_model
@@ -148,6 +182,8 @@ def main() -> None:
                                                  host_trace=not args.no_host_trace)
                        for b in args.batch_sizes} for scheme in schemes}
     result = result[schemes[0]] if len(schemes) == 1 else result
+    if override:
+        result = {"tuning": override, **result}
     suffix = f"_{args.kv_cache.replace(',', '-')}_{args.context}" if args.context else ""
     out = args.out or RESULTS / f"gpu_time_{args.random_model}{suffix}.json"
     out.write_text(json.dumps(result, indent=1))

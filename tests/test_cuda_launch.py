@@ -179,7 +179,7 @@ def test_compact_refuses_what_a_line_scan_cannot_strip(source):
 
 
 HELPER_SETS = [
-    ("COMBINE", {"fwht_shared"}),  # it un-rotates AURA values, nothing else
+    ("COMBINE", set()),  # its merge and its un-rotation of AURA values are inline
     ("ENCODE", {"encode_part", "encode_warps", "part_sync", "slice_dim", "fwht_warp", "table_floats"}),
     ("qkv", {"encode_part", "encode_warps", "part_sync", "slice_dim", "fwht_warp", "table_floats"}),
     ("PARTIAL_MMA", {"code_float", "cp_async", "cp_async_commit", "cp_async_wait", "fast_exp2", "fwht_warp",
@@ -188,7 +188,7 @@ HELPER_SETS = [
                  "cp_async_wait", "fast_exp2", "fwht_warp", "merge_at", "merge_states", "stage_block"}),
     ("PARTIAL_final", {"Slice", "slice_words", "fetch_slice", "decode_slice", "code_float", "cp_async",
                        "cp_async_commit", "cp_async_wait", "fast_exp2", "fwht_warp", "fwht_shared", "merge_at",
-                       "merge_final", "stage_block"}),  # the one-split launch: the combine's rotation back, no partials
+                       "merge_final", "stage_block"}),  # one split: output un-rotated in place, no partials
 ]
 
 

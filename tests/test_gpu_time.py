@@ -1,5 +1,7 @@
 """ops/gpu_time.py's busy time: the union of kernel intervals, overlaps counted once (hand-derived)."""
 
+import pytest
+
 from ops.gpu_time import busy_us
 
 
@@ -17,3 +19,13 @@ def test_idle_gaps_are_bucketed_by_length_after_merging_overlaps():
     spans = [(300.0, 301.0), (0.0, 4.0), (2.0, 5.0), (6.0, 8.0), (6.5, 7.0), (11.0, 12.0), (40.0, 41.0)]
     assert idle_gaps(spans) == {"<2": [1, 1.0], "2-5": [1, 3.0], "5-20": [0, 0.0], "20-100": [1, 28.0],
                                 ">=100": [1, 259.0]}
+
+
+def test_tuning_override_names_launch_shape_fields_and_refuses_others():
+    from ops.gpu_time import tuning_override
+
+    assert tuning_override("waves=2,warps=1") == {"waves": 2, "warps": 1}
+    assert tuning_override("") == {}
+    for bad in ("waves", "waves=two", "lanes=8"):
+        with pytest.raises(ValueError, match="FIELD=INT"):
+            tuning_override(bad)
