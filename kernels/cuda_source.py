@@ -751,7 +751,7 @@ PARTIAL = r"""
 # (their loads in flight together, U at a time), then the R states meet in shared memory: one barrier, where
 # a global max first and tree sums took a memory latency and a dozen barriers more (R need not be a power of
 # two). AURA values are taken back to the model's domain by a Walsh-Hadamard transform of the D outputs:
-# strides below 32 in warp shuffles, wider ones through shared memory (the stages of `fwht_shared`, in its
+# strides below 32 by `fwht_warp`, wider ones through shared memory (the stages of `fwht_shared`, in its
 # order). Sinks are in natural-log units; the merge works in log2 units (partial scores were scaled by log2(e)).
 COMBINE = r"""
   constexpr int NT = 512, U = 16;  // threads per block at most (D * R, D >= 8); a thread's splits in flight
@@ -800,11 +800,9 @@ COMBINE = r"""
   }
   float y = L > 0.f ? O / L : 0.f;  // every r holds dim d's output: all take part in the transform
   if (UNROTATE) {
-#pragma unroll
-    for (int off = 1; off < D && off < 32; off <<= 1) {  // within a warp (D-aligned groups of lanes)
-      const float p = __shfl_xor_sync(0xffffffffu, y, off);
-      y = (d & off) ? p - y : y + p;
-    }
+    float yv[1] = {y};
+    fwht_warp<1, (D < 32 ? D : 32)>(yv, threadIdx.x % 32);  // strides below 32: D-aligned groups of lanes
+    y = yv[0];
     for (int off = 32; off < D; off <<= 1) {
       __syncthreads();  // red_o's last reads are done
       red_o[threadIdx.x] = y;
@@ -854,7 +852,7 @@ def kernel_header(source: str, header: str = HEADER) -> str:
 
     A helper is a blank-line-separated chunk of `header`; it is used where one of the names it defines
     (functions, structs) appears as a word. Every kernel gets only its own helpers: the combine kernel
-    needs none of HEADER's twelve chunks.
+    needs one of HEADER's twelve chunks.
 
     Raises:
         ValueError: a chunk whose definitions the scan does not name (one would be dropped unseen).

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import statistics
 import time
@@ -38,8 +39,6 @@ def tuning_override(text: str) -> dict[str, int]:
     Raises:
         ValueError: an item not `FIELD=INT`, or a field `Tuning` does not have.
     """
-    import dataclasses
-
     from kernels.cuda_kv import Tuning
 
     fields = {f.name for f in dataclasses.fields(Tuning)}
@@ -165,8 +164,6 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     if override:
-        import dataclasses
-
         from kernels import cuda_kv
 
         default = cuda_kv.default_tuning

@@ -179,7 +179,7 @@ def test_compact_refuses_what_a_line_scan_cannot_strip(source):
 
 
 HELPER_SETS = [
-    ("COMBINE", set()),  # its merge and its un-rotation of AURA values are inline
+    ("COMBINE", {"fwht_warp"}),  # its un-rotation of AURA values, within a warp
     ("ENCODE", {"encode_part", "encode_warps", "part_sync", "slice_dim", "fwht_warp", "table_floats"}),
     ("qkv", {"encode_part", "encode_warps", "part_sync", "slice_dim", "fwht_warp", "table_floats"}),
     ("PARTIAL_MMA", {"code_float", "cp_async", "cp_async_commit", "cp_async_wait", "fast_exp2", "fwht_warp",
