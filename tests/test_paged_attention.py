@@ -192,6 +192,9 @@ DECODE_CASES = [
     ("aura4v2", 64, 1, (3, 33, 129), False),
     ("aura3v5", 256, 4, (1, 200), False),
     ("aura9v10", 64, 4, (1, 17, 33), True),  # codebooks over 256 centroids: the MLX-ops path everywhere
+    # more than 8 query heads a kv head: the tensor-core kernel keeps both halves of its 16-row tiles
+    ("affine4", 64, 16, (1, 40, 300), False),
+    ("aura4v4", 128, 12, (17, 300), True),
     # beyond llama's geometry: Hadamard orders 20 * 4 and 12 * 8, codes padded to whole words
     # (80 x 3 bits), affine tail groups (80 at 32 and 64: 16; 96 at 64: 32), keys wider than values
     ("aura4v4", 80, 4, (1, 17, 40), True),
