@@ -29,7 +29,7 @@ def make_deepseek_v2(*, seed: int = 0, n_layers: int = 2):
         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=64,
         v_head_dim=128, qk_nope_head_dim=128, max_position_embeddings=4096, rope_scaling={"factor": 1.0},
     )
-    return _init(deepseek_v2.Model(args), seed)
+    return _init(lambda: deepseek_v2.Model(args), seed)
 
 
 def make_mla(*, seed: int = 0, n_layers: int = 2):
@@ -42,7 +42,7 @@ def make_mla(*, seed: int = 0, n_layers: int = 2):
         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=96, q_lora_rank=64, qk_rope_head_dim=32,
         v_head_dim=64, qk_nope_head_dim=48, max_position_embeddings=4096,
     )
-    return _init(deepseek_v3.Model(args), seed)
+    return _init(lambda: deepseek_v3.Model(args), seed)
 
 
 def make_kimi_k25(*, seed: int = 0, n_layers: int = 2):
@@ -53,12 +53,14 @@ def make_kimi_k25(*, seed: int = 0, n_layers: int = 2):
     text = dict(model_type="deepseek_v3", vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
                 num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
                 q_lora_rank=64, qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=48, max_position_embeddings=4096)
-    return _init(kimi_k25.Model(kimi_k25.ModelArgs(text_config=text)), seed)
+    return _init(lambda: kimi_k25.Model(kimi_k25.ModelArgs(text_config=text)), seed)
 
 
-def _init(model, seed: int):
+def _init(build, seed: int):
+    """`build()`'s model with the constructors' random init drawn after seeding: MLX draws a random array
+    when it is created, so a seed set after construction would leave the weights to whatever ran before."""
     mx.random.seed(seed)
-    model.update(model.parameters())  # keep the constructors' random init; evaluate it once
+    model = build()
     mx.eval(model.parameters())
     return model
 

@@ -28,7 +28,9 @@ from services.engine.cache import CacheOptions, Window, make_layer_caches
 from services.engine.cache.geometry import LayerGeometry
 from services.engine.cache.persist import load_caches, save_caches
 from services.engine.cache.schemes import SCHEMES
+from services.engine import generate as generate_module
 from services.engine.generate import GenerationStats, generate
+from services.engine.sampling import RequestSampler
 from services.engine.request import Request
 from shared.protocol import SamplingParams
 from tests.geometry_models import GEOMETRIES, VOCAB, make_geometry_model, make_kimi_k25
@@ -55,6 +57,14 @@ EXPECTED = {  # (n_kv_heads, key width, value width, latent) the probe must read
 KL_TOLERANCE = {"affine8": 6e-5, "affine6": 1e-3, "affine4": 1.5e-2, "aura4v4": 2e-2, "aura4v2": 0.25,
                 "aura8v4": 2e-2, "aura8v8": 1e-4, "aura5v3": 7e-2}
 FLOAT32_TOL = 1e-4
+# Batched against single-sequence runs of a compressed cache: a K/V element within float rounding of a code
+# boundary may take the neighbouring code in one of them (the projections round differently with the batch's
+# shape); seen: deepseek_v2 affine4, 1.1e-4 on a machine with AVX-512.
+CODED_TOL = 1e-3
+
+
+def batch_tolerance(scheme: str) -> float:
+    return FLOAT32_TOL if scheme == "raw" else CODED_TOL
 
 
 @pytest.fixture(scope="module", params=GEOMETRIES)
@@ -129,7 +139,7 @@ def test_batched_cache_equals_single_sequence_cache(geometry, scheme):
     got = run_batched(model, make_cache(model, options), prompts, chunks, FEED[:4])
     for prompt, sizes, row in zip(prompts, chunks, got):
         for a, b in zip(row, reference_logits(model, options, prompt, sizes, FEED[:4])):
-            np.testing.assert_allclose(np.array(a), np.array(b), atol=FLOAT32_TOL, rtol=0)
+            np.testing.assert_allclose(np.array(a), np.array(b), atol=batch_tolerance(scheme), rtol=0)
     if scheme == "raw":  # the 40-token row is the teacher-forced run's first 3 chunks + 4 steps
         np.testing.assert_allclose(np.array(mx.stack(got[2])), np.array(want)[[15, 31, 39, 40, 41, 42, 43]],
                                    atol=FLOAT32_TOL, rtol=0)
@@ -158,15 +168,30 @@ def test_windowed_batched_cache_equals_single_sequence_cache(geometry, scheme):
     got = run_batched(model, make_cache(model, options), prompts, chunks, FEED[:6])
     for prompt, sizes, row in zip(prompts, chunks, got):
         for a, b in zip(row, reference_logits(model, options, prompt, sizes, FEED[:6])):
-            np.testing.assert_allclose(np.array(a), np.array(b), atol=FLOAT32_TOL, rtol=0)
+            np.testing.assert_allclose(np.array(a), np.array(b), atol=batch_tolerance(scheme), rtol=0)
 
 
 TOKENIZER = SimpleNamespace(eos_token_ids=set(), decode=lambda ids, **_: " ".join(map(str, ids)))
+# Gap between the two best logits under which batched and lone greedy decoding may pick differently: float32
+# rounding that differs with the batch's shape (raw), or that moves a compressed code to its neighbour (seen:
+# deepseek_v2 affine6, 0.0024 on a machine with AVX-512).
+NEAR_TIE = {"raw": 1e-4}
+NEAR_TIE_CODED = 2e-2
 
 
 @pytest.mark.parametrize("scheme", ALL_SCHEMES)
-def test_engine_gives_each_request_what_generate_gives_it_alone(geometry, scheme):
+def test_engine_gives_each_request_what_generate_gives_it_alone(geometry, scheme, monkeypatch):
+    """Same tokens as `generate` alone; where they part, the lone run's two best logits were a near tie."""
     name, model, _ = geometry
+    margins = []
+
+    class RecordingSampler(RequestSampler):
+        def __call__(self, logits: mx.array) -> mx.array:
+            top = np.sort(np.array(logits.astype(mx.float32)).ravel())
+            margins.append(float(top[-1] - top[-2]))
+            return super().__call__(logits)
+
+    monkeypatch.setattr(generate_module, "RequestSampler", RecordingSampler)
     core = make_core(tiny_loaded(model), scheme=scheme, max_slots=4, step_token_budget=24)
     prompts, max_tokens, joins = [PROMPT[:3], PROMPT[2:32], PROMPT[9:20], PROMPT[30:31]], [10, 12, 9, 11], [0, 0, 2, 5]
     arrivals = {}
@@ -176,8 +201,14 @@ def test_engine_gives_each_request_what_generate_gives_it_alone(geometry, scheme
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
         stats = GenerationStats()
         caches = make_layer_caches(model, core.options)
+        margins.clear()
         list(generate(model, TOKENIZER, prompt, caches, SamplingParams(max_tokens=n), max_context=4096, stats=stats))
-        assert results[f"r{i}"]["tokens"] == stats.token_ids, f"{name} r{i}"
+        got, want = results[f"r{i}"]["tokens"], stats.token_ids
+        assert len(got) == len(want) == n, f"{name} r{i}"
+        k = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if k is not None:
+            assert margins[k] < NEAR_TIE.get(scheme, NEAR_TIE_CODED), \
+                f"{name} r{i}: token {k} is {got[k]}, alone {want[k]}, whose logit led by {margins[k]:.2e}"
     assert_all_free(core)
 
 
