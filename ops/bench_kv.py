@@ -353,7 +353,7 @@ def run_prefill_memory(loaded, args) -> list[dict]:
     model, rows = loaded.model, []
     for scheme in args.schemes:
         mx.clear_cache()
-        weights = mx.get_active_memory()
+        weights = args.weights_bytes
         mx.reset_peak_memory()
         caches = make_layer_caches(model, CacheOptions(scheme=scheme, max_context=args.prefill_tokens))
         start = time.perf_counter()
