@@ -24,14 +24,14 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
+from services.engine import generate as generate_module
 from services.engine.cache import CacheOptions, Window, make_layer_caches
 from services.engine.cache.geometry import LayerGeometry
 from services.engine.cache.persist import load_caches, save_caches
 from services.engine.cache.schemes import SCHEMES
-from services.engine import generate as generate_module
 from services.engine.generate import GenerationStats, generate
-from services.engine.sampling import RequestSampler
 from services.engine.request import Request
+from services.engine.sampling import RequestSampler
 from shared.protocol import SamplingParams
 from tests.geometry_models import GEOMETRIES, VOCAB, make_geometry_model, make_kimi_k25
 from tests.test_batched_cache import make_cache, reference_logits, run_batched
