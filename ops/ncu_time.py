@@ -19,6 +19,7 @@ import argparse
 import csv
 import io
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -130,12 +131,16 @@ def main() -> None:
     if args.launch_child:
         launch(cases, args.launches, args.manifest)
         return
+    if shutil.which(args.ncu) is None:
+        parser.error(f"Nsight Compute's command line {args.ncu!r} is not on this machine (--ncu names it)")
     with tempfile.TemporaryDirectory() as tmp:
         manifest = Path(tmp) / "manifest.json"
         profile = subprocess.run([args.ncu, "--csv", "--print-units", "base", "--metrics", METRIC, "-k",
                                   "regex:paged_decode", sys.executable, "-m", "ops.ncu_time", "--launch-child",
                                   "--cases", args.cases, "--launches", str(args.launches), "--manifest", str(manifest)],
-                                 capture_output=True, text=True, check=True)
+                                 capture_output=True, text=True)
+        if profile.returncode != 0 or not manifest.exists():
+            sys.exit(f"ncu_time: the profiled run failed (exit {profile.returncode}):\n{profile.stderr[-2000:]}")
         result = summarize(json.loads(manifest.read_text()), call_times(profile.stdout))
     text = json.dumps(result, indent=1)
     print(text)
