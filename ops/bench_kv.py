@@ -352,6 +352,7 @@ def run_prefill_memory(loaded, args) -> list[dict]:
     ids = np.random.default_rng(0).integers(100, 20000, args.prefill_tokens).tolist()
     model, rows = loaded.model, []
     for scheme in args.schemes:
+        gc.collect()
         mx.clear_cache()
         weights = args.weights_bytes
         mx.reset_peak_memory()

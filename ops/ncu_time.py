@@ -1,14 +1,15 @@
 """Decode-attention kernel time under Nsight Compute: one layer's launches, at locked clocks, per case.
 
 CUPTI timings of single-stream launches (`ops/kernel_sweep.py --gpu-time`) moved up to 15% between
-rounds of one shape (boost clocks); `ncu` locks the SM clock at base (1.41 GHz on the H200, so times
-run about 2x the engine's) and flushes the caches before every profiled launch, which makes A/B
-comparisons of launch shapes, or of two trees' kernels, repeatable to a few percent. Each case builds
+rounds of one shape (boost clocks); `ncu` locks the SM clock at base (1.41 GHz on the H200) and
+flushes the caches before every profiled launch (together: times about 2x the engine's), which makes
+A/B comparisons of launch shapes, or of two trees' kernels, repeatable to a few percent. Each case builds
 one layer of random pools (`ops.kernel_sweep`), launches `kernels.cuda_kv.decode_attention` once to
 compile, then `--launches` times; the report is the median partial, combine and total time (us).
 
     python -m ops.ncu_time --cases qwen3-1.7b:affine4:8192,qwen3-1.7b:affine4:8192:warps=4/unroll=1
     python -m ops.ncu_time --cases llama-1b:raw:32768 --out /tmp/ab.json   # run again in another tree to A/B
+    python -m ops.ncu_time --cases llama-1b:raw:8192 --ncu "sudo -E ncu"    # where counters need privileges
 
 Needs `ncu` (CUDA toolkit) and MLX's CUDA backend; writes JSON (not a test).
 """
@@ -19,6 +20,7 @@ import argparse
 import csv
 import io
 import json
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -33,13 +35,22 @@ def parse_case(text: str) -> tuple[str, str, int, dict[str, int]]:
     """`MODEL:SCHEME:CONTEXT[:FIELD=INT/...]` as (model, scheme, context tokens, `Tuning` overrides).
 
     Raises:
-        ValueError: fewer than three fields, a context that is not an integer, or a bad override.
+        ValueError: fewer than three fields, a model `ops.kernel_sweep` has no shape for, a scheme
+            `services.engine.cache.schemes.layer_format` refuses, a context that is not a positive integer, or a
+            bad override.
     """
+    import mlx.core as mx
+
     from ops.gpu_time import tuning_override
+    from ops.kernel_sweep import SHAPES
+    from services.engine.cache.schemes import layer_format
 
     parts = text.split(":")
-    if len(parts) not in (3, 4) or not parts[2].isdigit():
+    if len(parts) not in (3, 4) or not parts[2].isdigit() or int(parts[2]) < 1:
         raise ValueError(f"a case is MODEL:SCHEME:CONTEXT[:FIELD=INT/...], got {text!r}")
+    if parts[0] not in SHAPES:
+        raise ValueError(f"{text!r}: models are {sorted(SHAPES)}")
+    layer_format(parts[1], layer=0, dtype=mx.bfloat16, head_dim=SHAPES[parts[0]][3])  # raises for a bad scheme
     return parts[0], parts[1], int(parts[2]), tuning_override(parts[3].replace("/", ",") if len(parts) == 4 else "")
 
 
@@ -79,7 +90,12 @@ def launch(cases: list[str], launches: int, manifest: Path) -> None:
 def call_times(csv_text: str) -> list[tuple[float, float]]:
     """(partial, combine) ns of each decode-attention call, in launch order, from `ncu --csv --print-units base
     --metrics gpu__time_duration.sum` output: a partial kernel starts a call, a combine kernel joins the last one
-    (a one-split launch has none: 0). Lines that are not CSV (the program's, ncu's notes) are skipped."""
+    (a one-split launch has none: 0). Lines that are not CSV (the program's, ncu's notes) and repeated headers
+    are skipped.
+
+    Raises:
+        ValueError: a combine kernel before any partial kernel.
+    """
     rows = list(csv.reader(io.StringIO("".join(line for line in csv_text.splitlines(True) if line.startswith('"')))))
     if not rows:
         return []
@@ -90,6 +106,8 @@ def call_times(csv_text: str) -> list[tuple[float, float]]:
             continue
         ns = float(row[value].replace(",", ""))
         if "combine" in row[name]:
+            if not calls:
+                raise ValueError(f"a combine kernel before any partial kernel: {row[name]!r}")
             calls[-1][1] += ns
         else:
             calls.append([ns, 0.0])
@@ -117,12 +135,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", required=True, help="MODEL:SCHEME:CONTEXT[:FIELD=INT/...], comma-separated")
     parser.add_argument("--launches", type=int, default=5, help="timed launches per case (after one that compiles)")
-    parser.add_argument("--ncu", default="ncu", help="the Nsight Compute command line")
+    parser.add_argument("--ncu", default="ncu", help="the command that runs Nsight Compute (e.g. \"sudo -E ncu\")")
     parser.add_argument("--out", type=Path, help="JSON path (default: print only)")
     parser.add_argument("--launch-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--manifest", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     cases = [c for c in args.cases.split(",") if c]
+    if args.launches < 1:
+        parser.error("--launches is at least 1")
     for case in cases:  # refuse a bad case before starting ncu
         try:
             parse_case(case)
@@ -131,17 +151,22 @@ def main() -> None:
     if args.launch_child:
         launch(cases, args.launches, args.manifest)
         return
-    if shutil.which(args.ncu) is None:
-        parser.error(f"Nsight Compute's command line {args.ncu!r} is not on this machine (--ncu names it)")
+    ncu = shlex.split(args.ncu)
+    if not ncu or shutil.which(ncu[-1]) is None:
+        parser.error(f"Nsight Compute ({args.ncu!r}) is not on this machine (--ncu names it)")
     with tempfile.TemporaryDirectory() as tmp:
         manifest = Path(tmp) / "manifest.json"
-        profile = subprocess.run([args.ncu, "--csv", "--print-units", "base", "--metrics", METRIC, "-k",
+        profile = subprocess.run([*ncu, "--csv", "--print-units", "base", "--metrics", METRIC, "-k",
                                   "regex:paged_decode", sys.executable, "-m", "ops.ncu_time", "--launch-child",
                                   "--cases", args.cases, "--launches", str(args.launches), "--manifest", str(manifest)],
                                  capture_output=True, text=True)
-        if profile.returncode != 0 or not manifest.exists():
-            sys.exit(f"ncu_time: the profiled run failed (exit {profile.returncode}):\n{profile.stderr[-2000:]}")
-        result = summarize(json.loads(manifest.read_text()), call_times(profile.stdout))
+        notes = "".join(line for line in profile.stdout.splitlines(True) if not line.startswith('"'))
+        try:
+            if profile.returncode != 0 or not manifest.exists():
+                raise ValueError(f"exit {profile.returncode}")
+            result = summarize(json.loads(manifest.read_text()), call_times(profile.stdout))
+        except ValueError as exc:  # ncu's own messages (e.g. ERR_NVGPUCTRPERM) go to its stdout
+            sys.exit(f"ncu_time: the profiled run failed ({exc}):\n{(notes + profile.stderr)[-3000:]}")
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
