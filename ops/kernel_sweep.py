@@ -48,20 +48,28 @@ def _pools(fmt, rows: int) -> tuple[mx.array, ...]:
     return tuple(out)
 
 
+def decode_inputs(fmt, shape, streams: int, context: int, layers: int) -> tuple:
+    """Evaluated inputs of `layers` layers' decode attention: (pools per layer, page table int32 [streams,
+    pages a row], lengths int32 [streams] all `context`, query bf16 [streams, n_heads, 1, head_dim]); every
+    row's pages are its own, in order."""
+    _, n_heads, n_kv, head_dim = shape
+    pages_per_row = -(-context // PAGE)
+    num_pages = streams * pages_per_row
+    pools = [_pools(fmt, n_kv * num_pages * PAGE) for _ in range(layers)]
+    table = mx.array(np.arange(num_pages, dtype=np.int32).reshape(streams, pages_per_row))
+    lengths = mx.full((streams,), context, dtype=mx.int32)
+    q = mx.random.normal((streams, n_heads, 1, head_dim)).astype(mx.bfloat16)
+    mx.eval(pools, table, lengths, q)
+    return pools, table, lengths, q
+
+
 def layer_timer(fmt, shape, streams: int, context: int, gpu_time: bool = False):
     """A function `(tuning, iters) -> ms` timing every layer's decode attention over fresh pools.
 
     `gpu_time`: the partial and combine kernels' GPU time (CUPTI), not the wall clock with launches.
     """
-    layers, n_heads, n_kv, head_dim = shape
-    pages_per_row = -(-context // PAGE)
-    num_pages = streams * pages_per_row
-    rows = n_kv * num_pages * PAGE
-    pools = [_pools(fmt, rows) for _ in range(layers)]
-    table = mx.array(np.arange(num_pages, dtype=np.int32).reshape(streams, pages_per_row))
-    lengths = mx.full((streams,), context, dtype=mx.int32)
-    q = mx.random.normal((streams, n_heads, 1, head_dim)).astype(mx.bfloat16)
-    mx.eval(pools, table, lengths, q)
+    layers, _, n_kv, head_dim = shape
+    pools, table, lengths, q = decode_inputs(fmt, shape, streams, context, layers)
 
     def steps(tuning, count: int):
         """`count` decode steps' attention, chained: each layer's (and step's) query is the last output, so

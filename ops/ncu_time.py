@@ -59,24 +59,18 @@ def launch(cases: list[str], launches: int, manifest: Path) -> None:
     import dataclasses
 
     import mlx.core as mx
-    import numpy as np
 
     from kernels import cuda_kv
-    from ops.kernel_sweep import PAGE, SHAPES, _pools
+    from ops.kernel_sweep import PAGE, SHAPES, decode_inputs
     from services.engine.cache.schemes import layer_format
 
     out = []
     for case in cases:
         model, scheme, context, overrides = parse_case(case)
-        _, n_heads, n_kv, head_dim = SHAPES[model]
+        _, _, n_kv, head_dim = SHAPES[model]
         fmt = layer_format(scheme, layer=0, dtype=mx.bfloat16, head_dim=head_dim)
         tuning = dataclasses.replace(cuda_kv.default_tuning(fmt, n_kv), **overrides)
-        pages = -(-context // PAGE)
-        pools = _pools(fmt, n_kv * pages * PAGE)
-        table = mx.array(np.arange(pages, dtype=np.int32).reshape(1, pages))
-        lengths = mx.full((1,), context, dtype=mx.int32)
-        q = mx.random.normal((1, n_heads, 1, head_dim)).astype(mx.bfloat16)
-        mx.eval(pools, table, lengths, q)
+        (pools,), table, lengths, q = decode_inputs(fmt, SHAPES[model], 1, context, layers=1)
         for _ in range(launches + 1):
             q = cuda_kv.decode_attention(q, fmt, pools, None, table, lengths, n_kv_heads=n_kv, page_size=PAGE,
                                          scale=head_dim**-0.5, tuning=tuning)
