@@ -51,13 +51,20 @@ def _pools(fmt, rows: int) -> tuple[mx.array, ...]:
 def decode_inputs(fmt, shape, streams: int, context: int, layers: int) -> tuple:
     """Evaluated inputs of `layers` layers' decode attention: (pools per layer, page table int32 [streams,
     pages a row], lengths int32 [streams] all `context`, query bf16 [streams, n_heads, 1, head_dim]); every
-    row's pages are its own, in order."""
+    row's pages are its own, in order.
+
+    The page table and lengths are written by the GPU, so they sit in device memory as the engine's do (its
+    decode window's index arrays reach the device once, migrated on first touch). MLX's CUDA allocator keeps
+    an array built on the host in managed memory and one of 8 bytes or fewer in a small pool the GPU reads
+    in place from host memory: on the H200 a lone row's lengths there added about 15 us to every launch
+    (ncu, llama 1 x 32K raw partial 43.4 against 27.7 us; `ops/results/ncu_resident_inputs_gpu_2026-12-03.json`).
+    """
     _, n_heads, n_kv, head_dim = shape
     pages_per_row = -(-context // PAGE)
     num_pages = streams * pages_per_row
     pools = [_pools(fmt, n_kv * num_pages * PAGE) for _ in range(layers)]
-    table = mx.array(np.arange(num_pages, dtype=np.int32).reshape(streams, pages_per_row))
-    lengths = mx.full((streams,), context, dtype=mx.int32)
+    table = mx.array(np.arange(num_pages, dtype=np.int32).reshape(streams, pages_per_row)) + 0
+    lengths = mx.full((streams + 8,), context, dtype=mx.int32)[:streams]  # over 8 bytes: not the host-side pool
     q = mx.random.normal((streams, n_heads, 1, head_dim)).astype(mx.bfloat16)
     mx.eval(pools, table, lengths, q)
     return pools, table, lengths, q
