@@ -14,6 +14,10 @@ reused as the A operand (FlashAttention-2's register trick) and V as the B opera
 element is decoded by the one lane whose fragment holds it, so every code of a tile is unpacked
 once: an affine one to `scale * q + bias`; an AURA one to its unit centroid, looked up in a 16-bit
 table, with the vector's scale applied outside the products (keys' to the scores, values' to P).
+Affine codes go to the tensor cores in fp16 whatever the model's dtype (the query, or P, too): a
+code q becomes the half 1024 + q by masking its word (`0x6400 | q`, two codes a register), then
+`scale * q + bias` in one fp16 rounding (scale and bias are stored as fp16), where float math and
+a bf16 rounding took about three times the instructions (`ops/results/affine_fp16_gpu_2026-12-03.json`).
 Since a product's contraction order is free, compressed dims are permuted per lane (below: KSPAN,
 VSPAN) so that a lane's codes are whole words. The warps' states merge in shared memory
 (`merge_states`; in a one-split launch, `merge_final` writes the output).
@@ -22,7 +26,8 @@ Slots past a split's end score -inf and their V elements are zeros (a NaN left i
 reaches an output: 0 * NaN would).
 
 Sources: Dao, "FlashAttention-2" (2023), section 3 (online softmax, P kept in registers); Ye et
-al., "FlashInfer" (2025), GQA decode on tensor cores; PTX ISA, "Matrix fragments for mma.m16n8k16".
+al., "FlashInfer" (2025), GQA decode on tensor cores; PTX ISA, "Matrix fragments for mma.m16n8k16";
+Frantar et al., "MARLIN" (2024), section 4 (integer codes to fp16 by exponent bits, no conversion).
 """
 
 MMA_HEADER = r"""
@@ -91,6 +96,12 @@ PARTIAL_MMA = r"""
   // value (VLW words), so a lane loads its words once a row and every shift is a compile-time constant.
   constexpr int KSPAN = D / 4, VSPAN = D / 8;
   constexpr int KLW = RAW ? 1 : KSPAN * KBITS / 32, VLW = RAW ? 1 : VSPAN * VBITS / 32;
+  // Affine keys go to the tensor cores as fp16 (the query too): a code q becomes the half 1024 + q by a mask
+  // (0x6400 | q), then scale * q + bias in one rounding (HSUB2, HFMA2). Of 2, 4 or 8 bits (KPAIR), a B
+  // register's two codes are C / 2 apart in one word (C = 32 / KBITS codes a word), so one shift and one
+  // mask place both: k-step kk reads word kk / (C / 4), pairs j = 2 (kk % (C / 4)) + h, h = 0 (b0) or 1 (b1).
+  constexpr bool KPAIR = KMODE == 1 && (KBITS == 2 || KBITS == 4 || KBITS == 8);
+  constexpr int KC = 32 / KBITS, KHI = KPAIR ? KC / 2 : 1;  // codes a word; distance of a register's two codes
   static_assert(RAW || (KSPAN * KBITS % 32 == 0 && VSPAN * VBITS % 32 == 0), "a lane's codes are whole words");
   static_assert(KMODE != 1 || KGS % KSPAN == 0, "a lane's key dims lie in one affine group");
   static_assert(VMODE != 1 || VGS % VSPAN == 0, "a lane's value dims lie in one affine group");
@@ -159,9 +170,12 @@ PARTIAL_MMA = r"""
   for (int kk = 0; kk < KSTEPS; ++kk) {
 #pragma unroll
     for (int f = 0; f < 4; ++f) {
-      const int row = gid + (f & 1) * 8;
-      const int col = RAW ? kk * 16 + c0 + (f >> 1) * 8 : (lane % 4) * KSPAN + 4 * kk + 2 * (f >> 1);
-      qa[kk][f] = row < G ? pack2<T>(qs[row * D + col], qs[row * D + col + 1]) : 0u;
+      const int row = gid + (f & 1) * 8, h = f >> 1;
+      // the dims of this lane's B codes in k-step kk (compressed: lane-local code indices, `KPAIR`)
+      const int lo = KPAIR ? KC * (kk / (KC / 4)) + 2 * (kk % (KC / 4)) + h : 4 * kk + 2 * h;
+      const int col = RAW ? kk * 16 + c0 + h * 8 : (lane % 4) * KSPAN + lo, hi = RAW ? col + 1 : col + KHI;
+      qa[kk][f] = row >= G ? 0u : KMODE == 1 ? pack2<__half>(qs[row * D + col], qs[row * D + hi])
+                                             : pack2<T>(qs[row * D + col], qs[row * D + hi]);
     }
   }
 
@@ -214,19 +228,35 @@ PARTIAL_MMA = r"""
           uint32_t kw[KLW];
 #pragma unroll
           for (int v = 0; v < KLW; ++v) kw[v] = row[(lane % 4) * KLW + v];
-          float sc = 1.f, bi = 0.f;  // affine: the lane's group
+          __half2 sc = __float2half2_rn(1.f), bi = sc;  // affine: the lane's group
           if constexpr (KMODE == 1) {
             const __half* meta = reinterpret_cast<const __half*>(row + MOFF);
-            sc = __half2float(meta[(lane % 4) * KSPAN / KGS]);
-            bi = __half2float(meta[D / KGS + (lane % 4) * KSPAN / KGS]);
+            sc = __half2half2(meta[(lane % 4) * KSPAN / KGS]);
+            bi = __half2half2(meta[D / KGS + (lane % 4) * KSPAN / KGS]);
           }
-          auto b = [&](int i) {  // B register of the lane's codes i, i + 1 (AURA: unit centroids, scaled below)
-            const uint32_t q0 = lane_code<KBITS>(kw, i), q1 = lane_code<KBITS>(kw, i + 1);
-            if constexpr (KMODE == 2) return pair<T>(cbs[q0], cbs[q1]);
-            else return pack2<T>(fmaf(sc, code_float(q0), bi), fmaf(sc, code_float(q1), bi));
+          auto b = [&](int kk, int h) {  // B register h of k-step kk (AURA: unit centroids, scaled below)
+            if constexpr (KMODE == 2) {
+              return pair<T>(cbs[lane_code<KBITS>(kw, 4 * kk + 2 * h)], cbs[lane_code<KBITS>(kw, 4 * kk + 2 * h + 1)]);
+            } else {
+              uint32_t x;  // two halves 1024 + code
+              if constexpr (KPAIR) {
+                x = (kw[kk / (KC / 4)] >> (KBITS * (2 * (kk % (KC / 4)) + h))) & (((1u << KBITS) - 1u) * 0x10001u);
+              } else {
+                x = lane_code<KBITS>(kw, 4 * kk + 2 * h) | lane_code<KBITS>(kw, 4 * kk + 2 * h + 1) << 16;
+              }
+              x |= 0x64006400u;
+              __half2 v;
+              memcpy(&v, &x, 4);
+              v = __hfma2(__hsub2(v, __float2half2_rn(1024.f)), sc, bi);
+              memcpy(&x, &v, 4);
+              return x;
+            }
           };
 #pragma unroll
-          for (int kk = 0; kk < KSTEPS; ++kk) mma16816<T>(s[nb], qa[kk], b(4 * kk), b(4 * kk + 2));
+          for (int kk = 0; kk < KSTEPS; ++kk) {
+            if constexpr (KMODE == 1) mma16816<__half>(s[nb], qa[kk], b(kk, 0), b(kk, 1));
+            else mma16816<T>(s[nb], qa[kk], b(kk, 0), b(kk, 1));
+          }
           if constexpr (KMODE == 2) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[nb][e] *= ks[nb][e & 1];
@@ -262,8 +292,8 @@ PARTIAL_MMA = r"""
           l[e >> 1] += p[e];
           if constexpr (VMODE == 2) p[e] *= vs[nb][e & 1];
         }
-        pa[2 * nb] = pack2<T>(p[0], p[1]);
-        pa[2 * nb + 1] = pack2<T>(p[2], p[3]);
+        pa[2 * nb] = VMODE == 1 ? pack2<__half>(p[0], p[1]) : pack2<T>(p[0], p[1]);  // affine values: fp16
+        pa[2 * nb + 1] = VMODE == 1 ? pack2<__half>(p[2], p[3]) : pack2<T>(p[2], p[3]);
       }
       // O += P V; this lane's B rows: tokens j0 + c0 + {0, 1, 8, 9}, column: dim 8 n + gid.
       if constexpr (RAW) {
@@ -275,7 +305,7 @@ PARTIAL_MMA = r"""
         }
       } else {  // this lane's B rows: tokens j0 + c0 + {0, 1, 8, 9}; its dims gid * VSPAN + n
         uint32_t vw[4][VLW];
-        float sc[4], bi[4];  // affine: the group of the lane's dims, 0 where the row is not live
+        __half sc[4], bi[4];  // affine: the group of the lane's dims, 0 where the row is not live
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int j = j0 + c0 + (e & 1) + (e >> 1) * 8;
@@ -284,17 +314,38 @@ PARTIAL_MMA = r"""
           for (int v = 0; v < VLW; ++v) vw[e][v] = row[KWORDS + gid * VLW + v];
           if constexpr (VMODE == 1) {  // a zero, not 0 * NaN, where the row is not live
             const __half* meta = reinterpret_cast<const __half*>(row + MOFF) + KMH;
-            sc[e] = j < rows ? __half2float(meta[gid * VSPAN / VGS]) : 0.f;
-            bi[e] = j < rows ? __half2float(meta[D / VGS + gid * VSPAN / VGS]) : 0.f;
+            sc[e] = j < rows ? meta[gid * VSPAN / VGS] : __float2half(0.f);
+            bi[e] = j < rows ? meta[D / VGS + gid * VSPAN / VGS] : __float2half(0.f);
           }
         }
-        auto x = [&](int e, int n) {  // AURA: centroids (finite whatever the bits; P carries the scales)
-          const uint32_t q = lane_code<VBITS>(vw[e], n);
-          if constexpr (VMODE == 2) return cbs[KCB + q];
-          else return static_cast<T>(fmaf(sc[e], code_float(q), bi[e]));
-        };
+        if constexpr (VMODE == 2) {  // AURA: centroids (finite whatever the bits; P carries the scales)
+          auto x = [&](int e, int n) { return cbs[KCB + lane_code<VBITS>(vw[e], n)]; };
 #pragma unroll
-        for (int n = 0; n < NBLK; ++n) mma16816<T>(acc[n], pa, pair<T>(x(0, n), x(1, n)), pair<T>(x(2, n), x(3, n)));
+          for (int n = 0; n < NBLK; ++n) mma16816<T>(acc[n], pa, pair<T>(x(0, n), x(1, n)), pair<T>(x(2, n), x(3, n)));
+        } else {  // affine, in fp16 as the keys: B register r holds dim n of tokens e = 2r, 2r + 1
+          auto b = [&](int r, int n) {
+            const uint32_t(&w0)[VLW] = vw[2 * r];
+            const uint32_t(&w1)[VLW] = vw[2 * r + 1];
+            uint32_t x;
+            if constexpr (VBITS == 2 || VBITS == 4 || VBITS == 8) {  // the two words' 16-bit halves holding code n
+              constexpr int VC = 32 / VBITS;
+              const int c = n % VC;
+              x = (__byte_perm(w0[n / VC], w1[n / VC], c * VBITS < 16 ? 0x5410 : 0x7632) >> (c * VBITS % 16)) &
+                  (((1u << VBITS) - 1u) * 0x10001u);
+            } else {
+              x = lane_code<VBITS>(w0, n) | lane_code<VBITS>(w1, n) << 16;
+            }
+            x |= 0x64006400u;  // halves 1024 + code
+            __half2 v;
+            memcpy(&v, &x, 4);
+            v = __hfma2(__hsub2(v, __float2half2_rn(1024.f)), __halves2half2(sc[2 * r], sc[2 * r + 1]),
+                        __halves2half2(bi[2 * r], bi[2 * r + 1]));
+            memcpy(&x, &v, 4);
+            return x;
+          };
+#pragma unroll
+          for (int n = 0; n < NBLK; ++n) mma16816<__half>(acc[n], pa, b(0, n), b(1, n));
+        }
       }
     }
   }
