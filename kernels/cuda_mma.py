@@ -16,8 +16,11 @@ once: an affine one to `scale * q + bias`; an AURA one to its unit centroid, loo
 table, with the vector's scale applied outside the products (keys' to the scores, values' to P).
 Affine codes go to the tensor cores in fp16 whatever the model's dtype (the query, or P, too): a
 code q becomes the half 1024 + q by masking its word (`0x6400 | q`, two codes a register), then
-`scale * q + bias` in one fp16 rounding (scale and bias are stored as fp16), where float math and
-a bf16 rounding took about three times the instructions (`ops/results/affine_fp16_gpu_2026-12-03.json`).
+`scale * q + bias` in one fp16 rounding (scale and bias are stored as fp16): a pair of codes takes a
+mask (and a shift or a byte permute) and two half2 operations, where each code took an extract, two
+float operations and a conversion (`ops/results/affine_fp16_gpu_2026-12-03.json`: the keys' A/B).
+fp16 keeps three more significant bits than bf16; its range bounds the scaled query (|q| * scale
+under 65504), as the stored fp16 scale and bias already bound the keys.
 Since a product's contraction order is free, compressed dims are permuted per lane (below: KSPAN,
 VSPAN) so that a lane's codes are whole words. The warps' states merge in shared memory
 (`merge_states`; in a one-split launch, `merge_final` writes the output).
@@ -27,7 +30,7 @@ reaches an output: 0 * NaN would).
 
 Sources: Dao, "FlashAttention-2" (2023), section 3 (online softmax, P kept in registers); Ye et
 al., "FlashInfer" (2025), GQA decode on tensor cores; PTX ISA, "Matrix fragments for mma.m16n8k16";
-Frantar et al., "MARLIN" (2024), section 4 (integer codes to fp16 by exponent bits, no conversion).
+Frantar et al., "MARLIN" (2024) (integer codes to fp16 through the exponent bits, no conversion).
 """
 
 MMA_HEADER = r"""
@@ -99,7 +102,7 @@ PARTIAL_MMA = r"""
   // Affine keys go to the tensor cores as fp16 (the query too): a code q becomes the half 1024 + q by a mask
   // (0x6400 | q), then scale * q + bias in one rounding (HSUB2, HFMA2). Of 2, 4 or 8 bits (KPAIR), a B
   // register's two codes are C / 2 apart in one word (C = 32 / KBITS codes a word), so one shift and one
-  // mask place both: k-step kk reads word kk / (C / 4), pairs j = 2 (kk % (C / 4)) + h, h = 0 (b0) or 1 (b1).
+  // mask place both: k-step kk reads word kk / (C / 4), pairs j = 2 (kk % (C / 4)) + hf, hf = 0 (b0) or 1 (b1).
   constexpr bool KPAIR = KMODE == 1 && (KBITS == 2 || KBITS == 4 || KBITS == 8);
   constexpr int KC = 32 / KBITS, KHI = KPAIR ? KC / 2 : 1;  // codes a word; distance of a register's two codes
   static_assert(RAW || (KSPAN * KBITS % 32 == 0 && VSPAN * VBITS % 32 == 0), "a lane's codes are whole words");
@@ -170,10 +173,10 @@ PARTIAL_MMA = r"""
   for (int kk = 0; kk < KSTEPS; ++kk) {
 #pragma unroll
     for (int f = 0; f < 4; ++f) {
-      const int row = gid + (f & 1) * 8, h = f >> 1;
+      const int row = gid + (f & 1) * 8, hf = f >> 1;
       // the dims of this lane's B codes in k-step kk (compressed: lane-local code indices, `KPAIR`)
-      const int lo = KPAIR ? KC * (kk / (KC / 4)) + 2 * (kk % (KC / 4)) + h : 4 * kk + 2 * h;
-      const int col = RAW ? kk * 16 + c0 + h * 8 : (lane % 4) * KSPAN + lo, hi = RAW ? col + 1 : col + KHI;
+      const int lo = KPAIR ? KC * (kk / (KC / 4)) + 2 * (kk % (KC / 4)) + hf : 4 * kk + 2 * hf;
+      const int col = RAW ? kk * 16 + c0 + hf * 8 : (lane % 4) * KSPAN + lo, hi = RAW ? col + 1 : col + KHI;
       qa[kk][f] = row >= G ? 0u : KMODE == 1 ? pack2<__half>(qs[row * D + col], qs[row * D + hi])
                                              : pack2<T>(qs[row * D + col], qs[row * D + hi]);
     }
@@ -228,21 +231,21 @@ PARTIAL_MMA = r"""
           uint32_t kw[KLW];
 #pragma unroll
           for (int v = 0; v < KLW; ++v) kw[v] = row[(lane % 4) * KLW + v];
-          __half2 sc = __float2half2_rn(1.f), bi = sc;  // affine: the lane's group
+          __half2 sc = __float2half2_rn(1.f), bi = __float2half2_rn(0.f);  // affine: the lane's group
           if constexpr (KMODE == 1) {
             const __half* meta = reinterpret_cast<const __half*>(row + MOFF);
             sc = __half2half2(meta[(lane % 4) * KSPAN / KGS]);
             bi = __half2half2(meta[D / KGS + (lane % 4) * KSPAN / KGS]);
           }
-          auto b = [&](int kk, int h) {  // B register h of k-step kk (AURA: unit centroids, scaled below)
+          auto b = [&](int kk, int hf) {  // B register hf of k-step kk (AURA: unit centroids, scaled below)
             if constexpr (KMODE == 2) {
-              return pair<T>(cbs[lane_code<KBITS>(kw, 4 * kk + 2 * h)], cbs[lane_code<KBITS>(kw, 4 * kk + 2 * h + 1)]);
+              return pair<T>(cbs[lane_code<KBITS>(kw, 4 * kk + 2 * hf)], cbs[lane_code<KBITS>(kw, 4 * kk + 2 * hf + 1)]);
             } else {
               uint32_t x;  // two halves 1024 + code
               if constexpr (KPAIR) {
-                x = (kw[kk / (KC / 4)] >> (KBITS * (2 * (kk % (KC / 4)) + h))) & (((1u << KBITS) - 1u) * 0x10001u);
+                x = (kw[kk / (KC / 4)] >> (KBITS * (2 * (kk % (KC / 4)) + hf))) & (((1u << KBITS) - 1u) * 0x10001u);
               } else {
-                x = lane_code<KBITS>(kw, 4 * kk + 2 * h) | lane_code<KBITS>(kw, 4 * kk + 2 * h + 1) << 16;
+                x = lane_code<KBITS>(kw, 4 * kk + 2 * hf) | lane_code<KBITS>(kw, 4 * kk + 2 * hf + 1) << 16;
               }
               x |= 0x64006400u;
               __half2 v;

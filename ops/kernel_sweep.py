@@ -63,8 +63,9 @@ def decode_inputs(fmt, shape, streams: int, context: int, layers: int) -> tuple:
     pages_per_row = -(-context // PAGE)
     num_pages = streams * pages_per_row
     pools = [_pools(fmt, n_kv * num_pages * PAGE) for _ in range(layers)]
-    table = mx.array(np.arange(num_pages, dtype=np.int32).reshape(streams, pages_per_row)) + 0
-    lengths = mx.full((streams + 8,), context, dtype=mx.int32)[:streams]  # over 8 bytes: not the host-side pool
+    # made on the GPU and over 8 bytes (sliced down): device memory, not the host-side pool
+    table = mx.arange(num_pages + 8, dtype=mx.int32)[:num_pages].reshape(streams, pages_per_row)
+    lengths = mx.full((streams + 8,), context, dtype=mx.int32)[:streams]
     q = mx.random.normal((streams, n_heads, 1, head_dim)).astype(mx.bfloat16)
     mx.eval(pools, table, lengths, q)
     return pools, table, lengths, q

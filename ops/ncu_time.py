@@ -2,7 +2,7 @@
 
 CUPTI timings of single-stream launches (`ops/kernel_sweep.py --gpu-time`) moved up to 15% between
 rounds of one shape (boost clocks); `ncu` locks the SM clock at base (1.41 GHz on the H200) and
-flushes the caches before every profiled launch (together: times about 1.4x the engine's), which makes
+flushes the caches before every profiled launch (against ~1.98 GHz boost: times up to 1.4x the engine's), which makes
 A/B comparisons of launch shapes, or of two trees' kernels, repeatable to a few percent. Each case builds
 one layer of random pools (`ops.kernel_sweep`), launches `kernels.cuda_kv.decode_attention` once to
 compile, then `--launches` times; the report is the median partial, combine and total time (us).
