@@ -69,6 +69,17 @@ __device__ __forceinline__ uint32_t lane_code(const uint32_t (&w)[NW], int i) {
   return q & ((1u << BITS) - 1u);
 }
 
+// scale * q + bias of the codes q at the low bits of x's two 16-bit halves, in fp16 with one rounding: the
+// half 0x6400 | q is 1024 + q exactly, less 1024 exactly (`PARTIAL_MMA`'s affine keys and values).
+__device__ __forceinline__ uint32_t affine_half2(uint32_t x, __half2 scale, __half2 bias) {
+  x |= 0x64006400u;
+  __half2 v;
+  memcpy(&v, &x, 4);
+  v = __hfma2(__hsub2(v, __float2half2_rn(1024.f)), scale, bias);
+  memcpy(&x, &v, 4);
+  return x;
+}
+
 // c += A B: one m16n8k16 tensor-core product (A row-major 16 x 16, B col-major 16 x 8, float32 c).
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -241,18 +252,13 @@ PARTIAL_MMA = r"""
             if constexpr (KMODE == 2) {
               return pair<T>(cbs[lane_code<KBITS>(kw, 4 * kk + 2 * hf)], cbs[lane_code<KBITS>(kw, 4 * kk + 2 * hf + 1)]);
             } else {
-              uint32_t x;  // two halves 1024 + code
+              uint32_t x;  // the two codes at the low bits of its halves
               if constexpr (KPAIR) {
                 x = (kw[kk / (KC / 4)] >> (KBITS * (2 * (kk % (KC / 4)) + hf))) & (((1u << KBITS) - 1u) * 0x10001u);
               } else {
                 x = lane_code<KBITS>(kw, 4 * kk + 2 * hf) | lane_code<KBITS>(kw, 4 * kk + 2 * hf + 1) << 16;
               }
-              x |= 0x64006400u;
-              __half2 v;
-              memcpy(&v, &x, 4);
-              v = __hfma2(__hsub2(v, __float2half2_rn(1024.f)), sc, bi);
-              memcpy(&x, &v, 4);
-              return x;
+              return affine_half2(x, sc, bi);
             }
           };
 #pragma unroll
@@ -338,13 +344,7 @@ PARTIAL_MMA = r"""
             } else {
               x = lane_code<VBITS>(w0, n) | lane_code<VBITS>(w1, n) << 16;
             }
-            x |= 0x64006400u;  // halves 1024 + code
-            __half2 v;
-            memcpy(&v, &x, 4);
-            v = __hfma2(__hsub2(v, __float2half2_rn(1024.f)), __halves2half2(sc[2 * r], sc[2 * r + 1]),
-                        __halves2half2(bi[2 * r], bi[2 * r + 1]));
-            memcpy(&x, &v, 4);
-            return x;
+            return affine_half2(x, __halves2half2(sc[2 * r], sc[2 * r + 1]), __halves2half2(bi[2 * r], bi[2 * r + 1]));
           };
 #pragma unroll
           for (int n = 0; n < NBLK; ++n) mma16816<__half>(acc[n], pa, b(0, n), b(1, n));
