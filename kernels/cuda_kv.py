@@ -39,9 +39,19 @@ def is_available() -> bool:
 
 
 def encode_warps(head_dim: int) -> int:
-    """Warps that code one part (K or V) of a head_dim-wide vector (`encode_warps` in `kernels.cuda_source`)."""
+    """Warps that split the dims of one part (K or V) of a head_dim-wide vector (`encode_warps` in
+    `kernels.cuda_source`)."""
     per_lane = head_dim // 32
-    return 4 if head_dim >= 256 and per_lane % 4 == 0 else 2 if head_dim >= 128 and per_lane % 2 == 0 else 1
+    return 1 if head_dim < 64 else 4 if per_lane % 4 == 0 else 2 if per_lane % 2 == 0 else 1
+
+
+def decode_encode_warps(fmt: LayerFormat, head_dim: int) -> tuple[int, int]:
+    """(WD, WG) of the decode step's coding (`kernels.qkv_rope`): `encode_warps` split a lane's dims, as in
+    `ENCODE` (so both sum a gain's products in one order and code alike, bit for bit), and WG = 3 warps
+    split an AURA part's 9 gains: a lone vector's gain search is latency, not throughput (H200, the launch a
+    layer in the engine, llama-1b aura8v4 6.9 -> 5.2 us against raw's store 3.5, qwen3-1.7b 6.3 -> 5.8,
+    `ops/results/encode_warps_gpu_2026-12-03.json`)."""
+    return encode_warps(head_dim), 3 if AURA in (fmt.key.kind, fmt.value.kind) else 1
 
 
 def custom_kernel(name: str, source: str, header: str = "", **io):

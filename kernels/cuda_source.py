@@ -2,7 +2,7 @@
 
 Three kernels, all reading and writing the row format of `kernels.kv_format`:
 - `ENCODE`: K and V vectors of one (token, head) -> one compressed row, `encode_warps(D)` warps a
-  part (1; 2 from head_dim 128, 4 from 256, where a lane's dims split evenly) (`encode_part` in
+  part (2 at head_dim 64, 4 from 128, where a lane's dims split evenly; 1 below 64) (`encode_part` in
   `HEADER`, which `kernels.qkv_rope`'s fused kernel shares. AURA: rotate with a fast Walsh-Hadamard
   transform in warp shuffles, Lloyd-Max search over the gains of `kernels.aura.GAINS`, pack,
   norm-corrected scale;
@@ -315,11 +315,11 @@ __device__ __forceinline__ void merge_final(const float* sm_m, const float* sm_l
 // Floats of a part's search table (`encode_part`): AURA, 2^BITS threshold slots and centroids, NG gains.
 __host__ __device__ constexpr int table_floats(int mode, int bits, int ng) { return mode == 2 ? (2 << bits) + ng : 0; }
 
-// Warps that code one part (K or V) of one vector: up to 4, each searching an equal slice of a lane's d / 32
-// dims, 2 from head_dim 128 (the gain search's cost grows with the dims a lane walks: at head_dim 128 one
-// warp made a decode step's q/k/v launch take 8.9 us, 3.6 without coding, H200).
+// Warps that split the dims of one part (K or V) of one vector: up to 4, each searching an equal slice of a
+// lane's d / 32 dims (the gain search's cost grows with the dims a lane walks: at head_dim 128 one warp made a
+// decode step's q/k/v launch take 8.9 us, 3.6 without coding, H200).
 __host__ __device__ constexpr int encode_warps(int d) {
-  return d >= 256 && (d / 32) % 4 == 0 ? 4 : (d >= 128 && (d / 32) % 2 == 0 ? 2 : 1);
+  return d < 64 ? 1 : (d / 32) % 4 == 0 ? 4 : (d / 32) % 2 == 0 ? 2 : 1;
 }
 
 // Element s of warp pw's slice of a lane's E dims (x[pw * ES + s]), by selects: a register index, not a
@@ -339,26 +339,31 @@ __device__ __forceinline__ void part_sync(int id) {
   else asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(W * 32) : "memory");
 }
 
-// Codes one part (K or V) of one vector held by the W = encode_warps(D) warps of a part, each warp holding
-// the whole vector: lane j holds dims [j * E, j * E + E) of x (E = D / 32, or 1 with D lanes when D < 32;
-// other lanes hold zeros). AURA: sign flips, a Walsh-Hadamard rotation (each warp the whole vector: shuffles,
-// no barrier), then the gain search over the part's search table `tab` (in shared memory,
-// `kernels.cuda_kv.search_table`: NC slots of thresholds in breadth-first order, NC centroids, NG gains),
-// warp w searching its slice of ES = E / W of each lane's dims, the per-gain sums met in `red`;
-// affine: MLX's CPU rule (every warp the same values; warp w keeps its slice). Writes the D * BITS / 32 code
-// words and the meta halves (affine: D / GS scales, then D / GS biases; AURA: the scale). `sidx` [D], `red`
-// [W * 2 * NG]: the part's scratch in shared memory. Every lane of the part's warps must call it once, `pw`
-// its warp's index in the part, `bar` the part's barrier (`part_sync`).
-template <int MODE, int BITS, int GS, int D, int NG>
+// Codes one part (K or V) of one vector held by the W = WD * WG warps of a part, each warp holding the whole
+// vector: lane j holds dims [j * E, j * E + E) of x (E = D / 32, or 1 with D lanes when D < 32; other lanes
+// hold zeros). Warp pw searches the dims slice wd = pw % WD (ES = E / WD of a lane's dims) for the gains
+// g = wg + WG * k of its gain slice wg = pw / WD. AURA: sign flips, a Walsh-Hadamard rotation (each warp the
+// whole vector: shuffles, no barrier), then the gain search over the part's search table `tab` (in shared
+// memory, `kernels.cuda_kv.search_table`: NC slots of thresholds in breadth-first order, NC centroids, NG
+// gains), the per-gain sums met in `red`; affine: MLX's CPU rule (every warp the same values; the warps of
+// gain slice 0 keep their dims). Writes the D * BITS / 32 code words and the meta halves (affine: D / GS
+// scales, then D / GS biases; AURA: the scale). `sidx` [D], `red` [W * 2 * NG]: the part's scratch in shared
+// memory. Every lane of the part's warps must call it once, `pw` its warp's index in the part, `bar` the
+// part's barrier (`part_sync`). WG > 1 shortens a lone vector's search (a decode step's latency,
+// `kernels.qkv_rope`); throughput (`ENCODE`) wants WG = 1.
+template <int MODE, int BITS, int GS, int D, int NG, int WD, int WG>
 __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], int lane, int pw, int bar,
                                             const float* sign, const float* tab, uint32_t* sidx, float* red,
                                             uint32_t* codes, __half* meta) {
   constexpr int E = D >= 32 ? D / 32 : 1;  // dims per lane
   constexpr int LANES = D / E;              // lanes holding dims
-  constexpr int W = encode_warps(D), ES = E / W;  // warps of the part, dims a lane searches
-  static_assert(ES * W == E, "each warp searches an equal slice of a lane's dims");
+  constexpr int W = WD * WG, ES = E / WD;   // warps of the part, dims a lane searches
+  constexpr int GW = (NG + WG - 1) / WG;    // gains a warp searches at most
+  static_assert(ES * WD == E, "each warp searches an equal slice of a lane's dims");
   const bool live = lane < LANES;
+  const int wd = pw % WD, wg = pw / WD;
   uint32_t q[ES];
+  bool keeps = wg == 0;  // this warp's codes are the vector's (AURA: its gain slice holds the best gain)
   if constexpr (MODE == 2) {  // AURA
     constexpr int NC = 1 << BITS;
     float ss = 0.f;
@@ -371,27 +376,28 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
     const float norm = sqrtf(ss);
-    float u[ES];  // this warp's slice: dims lane * E + pw * ES + s
+    float u[ES];  // this warp's slice: dims lane * E + wd * ES + s
 #pragma unroll
     for (int s = 0; s < ES; ++s) {
-      u[s] = slice_dim<E, ES>(x, pw, s);
+      u[s] = slice_dim<E, ES>(x, wd, s);
       u[s] = norm > 0.f ? u[s] / norm : 0.f;  // u = sqrt(D) * (H s x / sqrt(D)) / |x|
     }
     // Gain search (kernels.aura): gain g's code of u is the count of thresholds t with float32(t * g) < u
     // (ties go to the lower cell; the edges of `kernels.aura.gain_cells`), a branchless binary search of
-    // BITS probes down the thresholds' breadth-first tree; the 9 gains' searches are independent, so their
+    // BITS probes down the thresholds' breadth-first tree; a warp's searches are independent, so their
     // probes are in flight together. The vector keeps the gain whose codes are closest in angle to u (the
-    // first on a tie); xor reductions, then the warps' sums in warp order, leave every lane the same sums,
+    // first on a tie); xor reductions, then the warps' sums in a fixed order, leave every lane the same sums,
     // so all lanes agree on the gain.
-    uint32_t code[NG][ES];
-    float cu[NG], cc[NG];
+    uint32_t code[GW][ES];
+    float cu[GW], cc[GW];
 #pragma unroll
-    for (int g = 0; g < NG; ++g) { cu[g] = 0.f; cc[g] = 0.f; }
+    for (int k = 0; k < GW; ++k) { cu[k] = 0.f; cc[k] = 0.f; }
 #pragma unroll
     for (int s = 0; s < ES; ++s) {
 #pragma unroll
-      for (int g = 0; g < NG; ++g) {
-        const float gain = tab[2 * NC + g];
+      for (int k = 0; k < GW; ++k) {
+        const int g = WG == 1 ? k : wg + WG * k;
+        const float gain = tab[2 * NC + (g < NG ? g : 0)];
         // thresholds breadth-first: a depth's probes land in distinct banks through depth 5. The node is
         // kept as its byte offset (4 node): the next probe's address needs no separate computation.
         const char* tree = reinterpret_cast<const char*>(tab);
@@ -400,46 +406,52 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
         for (int depth = 0; depth < BITS; ++depth)
           at = 2 * at + (*reinterpret_cast<const float*>(tree + at) * gain < u[s] ? 4 : 0);
         const int pos = at / 4 - NC;
-        code[g][s] = pos;
+        code[k][s] = pos;
         const float c = live ? tab[NC + pos] : 0.f;
-        cu[g] = fmaf(c, u[s], cu[g]);
-        cc[g] = fmaf(c, c, cc[g]);
+        cu[k] = fmaf(c, u[s], cu[k]);
+        cc[k] = fmaf(c, c, cc[k]);
       }
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
 #pragma unroll
-      for (int g = 0; g < NG; ++g) {
-        cu[g] += __shfl_xor_sync(0xffffffffu, cu[g], off);
-        cc[g] += __shfl_xor_sync(0xffffffffu, cc[g], off);
+      for (int k = 0; k < GW; ++k) {
+        cu[k] += __shfl_xor_sync(0xffffffffu, cu[k], off);
+        cc[k] += __shfl_xor_sync(0xffffffffu, cc[k], off);
       }
     }
-    if constexpr (W > 1) {
+    float tu[NG], tc[NG];  // every gain's sums over the whole vector
+    if constexpr (W == 1) {
+#pragma unroll
+      for (int g = 0; g < NG; ++g) { tu[g] = cu[g]; tc[g] = cc[g]; }
+    } else {
       if (lane == 0) {
 #pragma unroll
-        for (int g = 0; g < NG; ++g) { red[pw * 2 * NG + g] = cu[g]; red[pw * 2 * NG + NG + g] = cc[g]; }
+        for (int k = 0; k < GW; ++k) { red[pw * 2 * GW + k] = cu[k]; red[pw * 2 * GW + GW + k] = cc[k]; }
       }
       part_sync<W>(bar);
 #pragma unroll
-      for (int g = 0; g < NG; ++g) {
-        cu[g] = red[g];
-        cc[g] = red[NG + g];
+      for (int g = 0; g < NG; ++g) {  // gain g's sums: warps (g % WG) * WD + 0 .. WD - 1, slot g / WG
+        const float* r = red + (g % WG) * WD * 2 * GW + g / WG;
+        tu[g] = r[0];
+        tc[g] = r[GW];
 #pragma unroll
-        for (int w = 1; w < W; ++w) { cu[g] += red[w * 2 * NG + g]; cc[g] += red[w * 2 * NG + NG + g]; }
+        for (int w = 1; w < WD; ++w) { tu[g] += r[w * 2 * GW]; tc[g] += r[w * 2 * GW + GW]; }
       }
     }
     int best = 0;
-    float best_score = cu[0] * fabsf(cu[0]) / cc[0], best_cc = cc[0];
+    float best_score = tu[0] * fabsf(tu[0]) / tc[0], best_cc = tc[0];
 #pragma unroll
     for (int g = 1; g < NG; ++g) {
-      const float score = cu[g] * fabsf(cu[g]) / cc[g];
-      if (score > best_score) { best = g; best_score = score; best_cc = cc[g]; }
+      const float score = tu[g] * fabsf(tu[g]) / tc[g];
+      if (score > best_score) { best = g; best_score = score; best_cc = tc[g]; }
     }
+    keeps = best % WG == wg;
 #pragma unroll
     for (int s = 0; s < ES; ++s) {
       q[s] = code[0][s];
 #pragma unroll
-      for (int g = 1; g < NG; ++g) q[s] = g == best ? code[g][s] : q[s];  // registers, not a local array
+      for (int k = 1; k < GW; ++k) q[s] = k == best / WG ? code[k][s] : q[s];  // registers, not a local array
     }
     if (lane == 0 && pw == 0) meta[0] = __float2half(norm / sqrtf(best_cc));
   } else {  // affine, MLX's CPU rule (mlx/backend/cpu/quantized.cpp `quantize`)
@@ -460,16 +472,16 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
     if (q0 != 0.f) { scale = edge / q0; bias = edge; }
 #pragma unroll
     for (int s = 0; s < ES; ++s)
-      q[s] = (uint32_t)fminf(fmaxf(rintf((slice_dim<E, ES>(x, pw, s) - bias) / scale), 0.f), n_bins);
+      q[s] = (uint32_t)fminf(fmaxf(rintf((slice_dim<E, ES>(x, wd, s) - bias) / scale), 0.f), n_bins);
     const int d0 = lane * E;
     if (live && pw == 0 && d0 % GS == 0) {
       meta[d0 / GS] = __float2half(scale);
       meta[D / GS + d0 / GS] = __float2half(bias);
     }
   }
-  if (live) {
+  if (live && keeps) {
 #pragma unroll
-    for (int s = 0; s < ES; ++s) sidx[lane * E + pw * ES + s] = q[s];
+    for (int s = 0; s < ES; ++s) sidx[lane * E + wd * ES + s] = q[s];
   }
   part_sync<W>(bar);
   for (int w = pw * 32 + lane; w < D * BITS / 32; w += 32 * W) {  // word w of the bit stream
@@ -530,11 +542,11 @@ ENCODE = r"""
   }
   const int pw = warp % W;
   if (is_key) {
-    encode_part<KMODE, KBITS, KGS, D, NG>(x, lane, pw, 1 + grp, codec, stab, sidx_all[grp], red_all[grp], row,
-                                          meta);
+    encode_part<KMODE, KBITS, KGS, D, NG, W, 1>(x, lane, pw, 1 + grp, codec, stab, sidx_all[grp], red_all[grp], row,
+                                                meta);
   } else {
-    encode_part<VMODE, VBITS, VGS, D, NG>(x, lane, pw, 1 + grp, codec + D, stab + KT, sidx_all[grp],
-                                          red_all[grp], row + KWORDS, meta + KMH);
+    encode_part<VMODE, VBITS, VGS, D, NG, W, 1>(x, lane, pw, 1 + grp, codec + D, stab + KT, sidx_all[grp],
+                                                red_all[grp], row + KWORDS, meta + KMH);
   }
   if (PADMETA && !is_key && lane == 0 && pw == 0) meta[KMH + VMH] = __float2half(0.f);
 """

@@ -31,15 +31,16 @@ from kernels import cuda_kv
 from kernels.kv_format import LayerFormat
 from kernels.paged_attention import uses_cuda
 
-# One block of D / 2 threads per head vector n = b * NV + j (NV = H + 2 * KV): j < H a query,
-# j < H + KV a key, else a value. Thread i holds elements i and i + D / 2. `KEY_OUT` / `VALUE_OUT`
-# (below) say where keys and values go: out as they are, or into shared memory `y` for `_ENCODE`.
+# One block of BT >= D / 2 threads per head vector n = b * NV + j (NV = H + 2 * KV): j < H a query,
+# j < H + KV a key, else a value. Thread i < D / 2 holds elements i and i + D / 2 (threads past them, a coded
+# launch's extra search warps, hold none). `KEY_OUT` / `VALUE_OUT` (below) say where keys and values go: out as
+# they are, or into shared memory `y` for `_ENCODE`.
 _SOURCE = r"""
   constexpr int NT = D / 2;
   const int n = blockIdx.x, b = n / NV, j = n % NV, i = threadIdx.x;
-  const bool is_q = j < H, is_k = !is_q && j < H + KV;
+  const bool is_q = j < H, is_k = !is_q && j < H + KV, holds = BT == NT || i < NT;
   const T* src = qkv + (size_t)n * D;
-  float a = static_cast<float>(src[i]), c = static_cast<float>(src[i + NT]);
+  float a = holds ? static_cast<float>(src[i]) : 0.f, c = holds ? static_cast<float>(src[i + NT]) : 0.f;
   PROLOGUE
   __shared__ float x[D];
   __shared__ float ss[NT];
@@ -48,7 +49,7 @@ _SOURCE = r"""
     VALUE_OUT
   } else {
     if ((is_q && QNORM) || (is_k && KNORM)) {  // y = w * T(x * rsqrt(mean(x^2) + eps)), as MLX rounds
-      ss[i] = fmaf(a, a, c * c);
+      if (holds) ss[i] = fmaf(a, a, c * c);
       __syncthreads();
       if (i == 0) {
         float total = 0.f;
@@ -62,14 +63,16 @@ _SOURCE = r"""
       c = static_cast<float>(static_cast<T>(static_cast<float>(w[i + NT]) *
                                             static_cast<float>(static_cast<T>(c * inv))));
     }
-    x[i] = a;
-    x[i + NT] = c;
+    if (holds) {
+      x[i] = a;
+      x[i + NT] = c;
+    }
     __syncthreads();
     T* dst = is_q ? qo + ((size_t)b * H + j) * D : KEY_OUT;
     auto put = [&](int e, T r) {  // element e of the output: a query's or key's row, or `y` (ENC keys)
       if (ENC && !is_q) y[e] = static_cast<float>(r); else dst[e] = r;
     };
-    if (i < DIMS / 2) {  // pair i: (i, i + DIMS / 2), traditional (2i, 2i + 1)
+    if (holds && i < DIMS / 2) {  // pair i: (i, i + DIMS / 2), traditional (2i, 2i + 1)
       const int i1 = TRAD ? 2 * i : i, i2 = TRAD ? 2 * i + 1 : i + DIMS / 2;
       const float inv_freq = HAS_FREQS ? static_cast<float>(1.0 / static_cast<double>(freqs[i]))
                                        : exp2f(-(static_cast<float>(i) / static_cast<float>(DIMS / 2)) * fp[1]);
@@ -78,7 +81,7 @@ _SOURCE = r"""
       const float x1 = x[i1], x2 = x[i2];
       put(i1, static_cast<T>(x1 * ct - x2 * st));
       put(i2, static_cast<T>(x1 * st + x2 * ct));
-    } else {  // past the rotated dims: two elements passed through
+    } else if (holds) {  // past the rotated dims: two elements passed through
       const int e = DIMS + 2 * (i - DIMS / 2);
       put(e, static_cast<T>(x[e]));
       put(e + 1, static_cast<T>(x[e + 1]));
@@ -101,7 +104,7 @@ _STORE_RAW = _direct("const_cast<T*>(kpool) + (size_t)wrows[b * KV + (j - H)] * 
 # Coded: a key or value block stages its part's search table and rotation signs
 # (`kernels.cuda_kv.codec_constants`) beside its q/k/v loads, so all wait one memory latency together,
 # then leaves its rotated vector in `y` for `_ENCODE`.
-_CODE = {"VALUE_OUT": "y[i] = a;\n    y[i + NT] = c;", "KEY_OUT": "nullptr", "PROLOGUE": r"""
+_CODE = {"VALUE_OUT": "if (holds) {\n      y[i] = a;\n      y[i + NT] = c;\n    }", "KEY_OUT": "nullptr", "PROLOGUE": r"""
   constexpr int KT = table_floats(KMODE, KBITS, NG), VT = table_floats(VMODE, VBITS, NG);
   constexpr int TMAX = KT > VT ? KT : VT;
   __shared__ float stab[TMAX > 0 ? TMAX : 1];
@@ -110,24 +113,26 @@ _CODE = {"VALUE_OUT": "y[i] = a;\n    y[i + NT] = c;", "KEY_OUT": "nullptr", "PR
     const int nt = is_k ? KT : VT;
     const float* tab = codec + 2 * D + (is_k ? 0 : KT);
 #pragma unroll
-    for (int u = 0; u < (TMAX + NT - 1) / NT; ++u) {  // unrolled: a thread's loads fly together
-      const int t = i + u * NT;
+    for (int u = 0; u < (TMAX + BT - 1) / BT; ++u) {  // unrolled: a thread's loads fly together
+      const int t = i + u * BT;
       if (t < nt) stab[t] = tab[t];
     }
-    ssign[i] = codec[(is_k ? 0 : D) + i];
-    ssign[i + NT] = codec[(is_k ? 0 : D) + i + NT];
+    if (holds) {
+      ssign[i] = codec[(is_k ? 0 : D) + i];
+      ssign[i + NT] = codec[(is_k ? 0 : D) + i + NT];
+    }
   }"""}
 
 # `_SOURCE` with ENC: key and value blocks then code their vector into its pool row: the block's first
-# `encode_warps(D)` warps (D >= 64: D / 2 threads hold them), each holding all of `y`, lane j dims
+# WD * WG warps (`kernels.cuda_kv.decode_encode_warps`), each holding all of `y`, lane j dims
 # [j * E, j * E + E) (E = D / 32), subtract the key mean (CENTER, read before the barrier) and run
-# `encode_part` (`kernels.cuda_source`), exactly as `ENCODE` does on the same values: a key and a value
-# of one row are coded by two blocks into disjoint words and halves.
+# `encode_part` (`kernels.cuda_source`), as `ENCODE` does on the same values but with the gain search
+# spread over WG warps: a key and a value of one row are coded by two blocks into disjoint words and halves.
 _ENCODE = r"""
   if (is_q) return;  // block-uniform: no barrier follows for a query block
   constexpr int E = D / 32;
-  constexpr int W = encode_warps(D);
-  static_assert(W * 32 <= NT, "the block holds the part's warps");
+  constexpr int W = WD * WG;
+  static_assert(W * 32 <= BT, "the block holds the part's warps");
   const int h = is_k ? j - H : j - H - KV, lane = i % 32;
   float xe[E];
   if (CENTER && is_k) {  // off the path to the codes: no global read after the barrier
@@ -143,9 +148,9 @@ _ENCODE = r"""
   uint32_t* row = const_cast<uint32_t*>(pool) + (size_t)wrows[b * KV + h] * ROWW;  // in place
   __half* meta = reinterpret_cast<__half*>(row + MOFF);
   if (is_k) {
-    encode_part<KMODE, KBITS, KGS, D, NG>(xe, lane, i / 32, 1, ssign, stab, sidx, red, row, meta);
+    encode_part<KMODE, KBITS, KGS, D, NG, WD, WG>(xe, lane, i / 32, 1, ssign, stab, sidx, red, row, meta);
   } else {
-    encode_part<VMODE, VBITS, VGS, D, NG>(xe, lane, i / 32, 1, ssign, stab, sidx, red, row + KWORDS, meta + KMH);
+    encode_part<VMODE, VBITS, VGS, D, NG, WD, WG>(xe, lane, i / 32, 1, ssign, stab, sidx, red, row + KWORDS, meta + KMH);
     if (PADMETA && i == 0) meta[KMH + VMH] = __float2half(0.f);
   }
 """
@@ -261,7 +266,7 @@ def split_qkv_rope(
         return rope.apply(q, offset), rope.apply(k, offset), v
     inputs, template = _rope_args(qkv, n_heads, n_kv_heads, head_dim, rope, offset, q_norm, k_norm)
     return tuple(_kernel()(
-        inputs=inputs, template=[*template, ("ENC", False)],
+        inputs=inputs, template=[*template, ("ENC", False), ("BT", head_dim // 2)],
         grid=(batch * heads * (head_dim // 2), 1, 1), threadgroup=(head_dim // 2, 1, 1),
         output_shapes=[(batch, n_heads, 1, head_dim), (batch, n_kv_heads, 1, head_dim),
                        (batch, n_kv_heads, 1, head_dim)],
@@ -341,15 +346,21 @@ def split_qkv_rope_store(
         raise ValueError(f"the in-place q/k/v kernel serves CUDA, raw pools in the activations' dtype or compressed "
                          f"regular formats of head_dim >= 64; got {fmt} at head_dim {head_dim}, {qkv.dtype}")
     inputs, template = _rope_args(qkv, n_heads, n_kv_heads, head_dim, rope, offset, q_norm, k_norm)
-    out = dict(grid=(batch * heads * (head_dim // 2), 1, 1), threadgroup=(head_dim // 2, 1, 1),
-               output_shapes=[(batch, n_heads, 1, head_dim)], output_dtypes=[qkv.dtype])
+    shape = dict(output_shapes=[(batch, n_heads, 1, head_dim)], output_dtypes=[qkv.dtype])
     if fmt.is_raw:
-        (q,) = _store_kernel(False)(inputs=[*inputs, *pools, rows], template=[*template, ("ENC", False)], **out)
+        threads = head_dim // 2
+        (q,) = _store_kernel(False)(inputs=[*inputs, *pools, rows],
+                                    template=[*template, ("ENC", False), ("BT", threads)],
+                                    grid=(batch * heads * threads, 1, 1), threadgroup=(threads, 1, 1), **shape)
         return q
     code_inputs, code_template = cuda_kv.encoder_args(fmt, head_dim, key_mean)
+    dims, gains = cuda_kv.decode_encode_warps(fmt, head_dim)
+    threads = max(head_dim // 2, 32 * dims * gains)  # a vector's elements, or its search warps
     (q,) = _store_kernel(True)(
         inputs=[*inputs, pools[0], rows, *code_inputs],
-        template=[*template, ("ENC", True), *[arg for arg in code_template if arg[0] != "D"]], **out)
+        template=[*template, ("ENC", True), ("BT", threads), ("WD", dims), ("WG", gains),
+                  *[arg for arg in code_template if arg[0] != "D"]],
+        grid=(batch * heads * threads, 1, 1), threadgroup=(threads, 1, 1), **shape)
     return q
 
 

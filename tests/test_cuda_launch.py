@@ -181,7 +181,7 @@ def test_compact_refuses_what_a_line_scan_cannot_strip(source):
 HELPER_SETS = [
     ("COMBINE", {"fwht_warp"}),  # its un-rotation of AURA values, within a warp
     ("ENCODE", {"encode_part", "encode_warps", "part_sync", "slice_dim", "fwht_warp", "table_floats"}),
-    ("qkv", {"encode_part", "encode_warps", "part_sync", "slice_dim", "fwht_warp", "table_floats"}),
+    ("qkv", {"encode_part", "part_sync", "slice_dim", "fwht_warp", "table_floats"}),  # WD, WG: template arguments
     ("PARTIAL_MMA", {"cp_async", "cp_async_commit", "cp_async_wait", "fast_exp2", "fwht_warp",
                      "merge_at", "merge_states", "stage_block"}),  # not the FMA kernel's slices, encoder, combine's
     ("PARTIAL", {"Slice", "slice_words", "fetch_slice", "decode_slice", "code_float", "cp_async", "cp_async_commit",
