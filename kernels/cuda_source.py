@@ -347,9 +347,9 @@ __device__ __forceinline__ void part_sync(int id) {
 // memory, `kernels.cuda_kv.search_table`: NC slots of thresholds in breadth-first order, NC centroids, NG
 // gains), the per-gain sums met in `red`; affine: MLX's CPU rule (every warp the same values; the warps of
 // gain slice 0 keep their dims). Writes the D * BITS / 32 code words and the meta halves (affine: D / GS
-// scales, then D / GS biases; AURA: the scale). `sidx` [D], `red` [W * 2 * NG]: the part's scratch in shared
-// memory. Every lane of the part's warps must call it once, `pw` its warp's index in the part, `bar` the
-// part's barrier (`part_sync`). WG > 1 shortens a lone vector's search (a decode step's latency,
+// scales, then D / GS biases; AURA: the scale). `sidx` [D], `red` [W * 2 * NG] (W * 2 * GW used): the part's
+// scratch in shared memory. Every lane of the part's warps must call it once, `pw` its warp's index in the
+// part, `bar` the part's barrier (`part_sync`). WG > 1 shortens a lone vector's search (a decode step's latency,
 // `kernels.qkv_rope`); throughput (`ENCODE`) wants WG = 1.
 template <int MODE, int BITS, int GS, int D, int NG, int WD, int WG>
 __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], int lane, int pw, int bar,

@@ -59,9 +59,11 @@ _SOURCE = r"""
       __syncthreads();
       const float inv = ss[0];
       const T* w = is_q ? qw : kw;
-      a = static_cast<float>(static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(a * inv))));
-      c = static_cast<float>(static_cast<T>(static_cast<float>(w[i + NT]) *
-                                            static_cast<float>(static_cast<T>(c * inv))));
+      if (holds) {  // w holds D elements
+        a = static_cast<float>(static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(a * inv))));
+        c = static_cast<float>(static_cast<T>(static_cast<float>(w[i + NT]) *
+                                              static_cast<float>(static_cast<T>(c * inv))));
+      }
     }
     if (holds) {
       x[i] = a;
