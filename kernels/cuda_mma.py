@@ -36,6 +36,8 @@ Frantar et al., "MARLIN" (2024) (integer codes to fp16 through the exponent bits
 MMA_HEADER = r"""
 template <typename A, typename B> struct same_type { static constexpr bool value = false; };
 template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
+template <bool C, typename A, typename B> struct pick { using type = A; };
+template <typename A, typename B> struct pick<false, A, B> { using type = B; };
 
 // Two floats as one 32-bit register of two 16-bit T (a at the low half), rounded to nearest.
 template <typename T>
@@ -116,6 +118,8 @@ PARTIAL_MMA = r"""
   // mask place both: k-step kk reads word kk / (C / 4), pairs j = 2 (kk % (C / 4)) + hf, hf = 0 (b0) or 1 (b1).
   constexpr bool KPAIR = KMODE == 1 && (KBITS == 2 || KBITS == 4 || KBITS == 8);
   constexpr int KC = 32 / KBITS, KHI = KPAIR ? KC / 2 : 1;  // codes a word; distance of a register's two codes
+  using KO = typename pick<KMODE == 1, __half, T>::type;  // operands of the scores (affine: query, keys in fp16)
+  using VO = typename pick<VMODE == 1, __half, T>::type;  // operands of the value sums (affine: P, values in fp16)
   static_assert(RAW || (KSPAN * KBITS % 32 == 0 && VSPAN * VBITS % 32 == 0), "a lane's codes are whole words");
   static_assert(KMODE != 1 || KGS % KSPAN == 0, "a lane's key dims lie in one affine group");
   static_assert(VMODE != 1 || VGS % VSPAN == 0, "a lane's value dims lie in one affine group");
@@ -188,8 +192,7 @@ PARTIAL_MMA = r"""
       // the dims of this lane's B codes in k-step kk (compressed: lane-local code indices, `KPAIR`)
       const int lo = KPAIR ? KC * (kk / (KC / 4)) + 2 * (kk % (KC / 4)) + hf : 4 * kk + 2 * hf;
       const int col = RAW ? kk * 16 + c0 + hf * 8 : (lane % 4) * KSPAN + lo, hi = RAW ? col + 1 : col + KHI;
-      qa[kk][f] = row >= G ? 0u : KMODE == 1 ? pack2<__half>(qs[row * D + col], qs[row * D + hi])
-                                             : pack2<T>(qs[row * D + col], qs[row * D + hi]);
+      qa[kk][f] = row >= G ? 0u : pack2<KO>(qs[row * D + col], qs[row * D + hi]);
     }
   }
 
@@ -262,10 +265,7 @@ PARTIAL_MMA = r"""
             }
           };
 #pragma unroll
-          for (int kk = 0; kk < KSTEPS; ++kk) {
-            if constexpr (KMODE == 1) mma16816<__half>(s[nb], qa[kk], b(kk, 0), b(kk, 1));
-            else mma16816<T>(s[nb], qa[kk], b(kk, 0), b(kk, 1));
-          }
+          for (int kk = 0; kk < KSTEPS; ++kk) mma16816<KO>(s[nb], qa[kk], b(kk, 0), b(kk, 1));
           if constexpr (KMODE == 2) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[nb][e] *= ks[nb][e & 1];
@@ -301,8 +301,8 @@ PARTIAL_MMA = r"""
           l[e >> 1] += p[e];
           if constexpr (VMODE == 2) p[e] *= vs[nb][e & 1];
         }
-        pa[2 * nb] = VMODE == 1 ? pack2<__half>(p[0], p[1]) : pack2<T>(p[0], p[1]);  // affine values: fp16
-        pa[2 * nb + 1] = VMODE == 1 ? pack2<__half>(p[2], p[3]) : pack2<T>(p[2], p[3]);
+        pa[2 * nb] = pack2<VO>(p[0], p[1]);
+        pa[2 * nb + 1] = pack2<VO>(p[2], p[3]);
       }
       // O += P V; this lane's B rows: tokens j0 + c0 + {0, 1, 8, 9}, column: dim 8 n + gid.
       if constexpr (RAW) {
@@ -347,7 +347,7 @@ PARTIAL_MMA = r"""
             return affine_half2(x, __halves2half2(sc[2 * r], sc[2 * r + 1]), __halves2half2(bi[2 * r], bi[2 * r + 1]));
           };
 #pragma unroll
-          for (int n = 0; n < NBLK; ++n) mma16816<__half>(acc[n], pa, b(0, n), b(1, n));
+          for (int n = 0; n < NBLK; ++n) mma16816<VO>(acc[n], pa, b(0, n), b(1, n));
         }
       }
     }
