@@ -14,30 +14,49 @@ add-norm of vLLM's `fused_add_rms_norm`.
 from __future__ import annotations
 
 import functools
+import struct
 
 import mlx.core as mx
 
 from kernels import cuda_kv
 
-_SOURCE = r"""
-  // One block of NT threads per row; thread t keeps elements [t * E, t * E + E) in registers, so each
-  // input is read once, all loads (the weights and eps too) issued before the reduction's barriers:
-  // h = T(x + r) (MLX's add), y = T(w * T(h * rsqrt(mean(h^2) + eps))) (MLX's norm).
+# The norm of one row, shared with `kernels.norm_gemv`: thread t keeps elements [t * E, t * E + E) in registers,
+# so each input is read once, all loads (the weights too) issued before the reduction's barriers:
+# h = T(x + r) (MLX's add; x itself without ADD), y = T(w * T(h * rsqrt(mean(h^2) + eps))) (MLX's norm);
+# store(i, h_i, y_i) for each element. `part`: 32 floats of shared memory.
+NORM_ROW = r"""
+template <typename T, int H, int NT, bool ADD, typename Store>
+__device__ __forceinline__ void norm_row(const T* x, const T* r, const T* w, float eps, float* part, Store store) {
   constexpr int E = (H + NT - 1) / NT;
-  const size_t base = (size_t)blockIdx.x * H;
   const int first = threadIdx.x * E;
   float v[E], wv[E];
-  const float epsv = eps[0];
   float ss = 0.f;
+  if constexpr (E == 8 && sizeof(T) == 2 && H % 8 == 0) {  // one 16-byte load an input (every block of a
+    uint4 xw = {}, rw = {}, ww = {};                        // norm_gemv reads the same row: 8x fewer requests)
+    if (first < H) {
+      xw = *reinterpret_cast<const uint4*>(x + first);
+      if (ADD) rw = *reinterpret_cast<const uint4*>(r + first);
+      ww = *reinterpret_cast<const uint4*>(w + first);
+    }
+    const T *xe = reinterpret_cast<const T*>(&xw), *re = reinterpret_cast<const T*>(&rw);
+    const T* we = reinterpret_cast<const T*>(&ww);
 #pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const int i = first + e;
-    v[e] = i < H ? static_cast<float>(static_cast<T>(static_cast<float>(x[base + i]) + static_cast<float>(r[base + i])))
-                 : 0.f;
-    wv[e] = i < H ? static_cast<float>(w[i]) : 0.f;
-    ss = fmaf(v[e], v[e], ss);
+    for (int e = 0; e < E; ++e) {
+      const float xi = static_cast<float>(xe[e]);
+      v[e] = ADD ? static_cast<float>(static_cast<T>(xi + static_cast<float>(re[e]))) : xi;
+      wv[e] = static_cast<float>(we[e]);
+      ss = fmaf(v[e], v[e], ss);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int i = first + e;
+      const float xi = i < H ? static_cast<float>(x[i]) : 0.f;
+      v[e] = i < H && ADD ? static_cast<float>(static_cast<T>(xi + static_cast<float>(r[i]))) : xi;
+      wv[e] = i < H ? static_cast<float>(w[i]) : 0.f;
+      ss = fmaf(v[e], v[e], ss);
+    }
   }
-  __shared__ float part[32];
   for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
   if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
   __syncthreads();
@@ -47,27 +66,43 @@ _SOURCE = r"""
     if (threadIdx.x == 0) part[0] = t;
   }
   __syncthreads();
-  const float inv = rsqrtf(part[0] / H + epsv);
+  const float inv = rsqrtf(part[0] / H + eps);
 #pragma unroll
   for (int e = 0; e < E; ++e) {
     const int i = first + e;
-    if (i < H) {
-      h[base + i] = static_cast<T>(v[e]);
-      y[base + i] = static_cast<T>(wv[e] * static_cast<float>(static_cast<T>(v[e] * inv)));
-    }
+    if (i < H) store(i, static_cast<T>(v[e]), static_cast<T>(wv[e] * static_cast<float>(static_cast<T>(v[e] * inv))));
   }
+}
+"""
+
+_SOURCE = r"""
+  // One block of NT threads per row.
+  const size_t base = (size_t)blockIdx.x * H;
+  __shared__ float part[32];
+  norm_row<T, H, NT, true>(x + base, r + base, w, __int_as_float(EPS), part, [&](int i, T hv, T yv) {
+    h[base + i] = hv;
+    y[base + i] = yv;
+  });
 """
 
 
 @functools.cache
 def _kernel():
-    return cuda_kv.custom_kernel("bm_add_rms_norm", _SOURCE, input_names=["x", "r", "w", "eps"],
+    return cuda_kv.custom_kernel("bm_add_rms_norm", _SOURCE, NORM_ROW, input_names=["x", "r", "w"],
                                  output_names=["h", "y"])
 
 
-@functools.cache
-def _eps(value: float) -> mx.array:
-    return mx.array([value], mx.float32)
+def norm_threads(hidden: int) -> int:
+    """Threads of a block normalizing one row of `hidden` elements: about 8 elements a thread, whole warps,
+    at most 1024."""
+    return min(1024, (-(-hidden // 8) + 31) // 32 * 32)
+
+
+def float_bits(value: float) -> int:
+    """The bits of `value` as a float32, as a signed int: a kernel's template argument, read back with
+    `__int_as_float`. A scalar passed as a 4-byte array would sit in MLX's small host-side pool, which the GPU
+    reads in place from host memory at every launch (`ops.kernel_sweep.decode_inputs`)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
@@ -94,10 +129,10 @@ def add_rms_norm(x: mx.array, residual: mx.array, weight: mx.array, eps: float) 
         h = x + residual
         return h, mx.fast.rms_norm(h, weight, eps)
     batch, hidden = x.shape
-    threads = min(1024, (-(-hidden // 8) + 31) // 32 * 32)  # about 8 elements a thread, whole warps
+    threads = norm_threads(hidden)
     return tuple(_kernel()(
-        inputs=[x, residual, weight, _eps(float(eps))],
-        template=[("T", x.dtype), ("H", hidden), ("NT", threads)],
+        inputs=[x, residual, weight],
+        template=[("T", x.dtype), ("H", hidden), ("NT", threads), ("EPS", float_bits(eps))],
         grid=(batch * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype],
     ))

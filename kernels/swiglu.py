@@ -29,12 +29,12 @@ _SOURCE = r"""
   const T g = h[row + i];
   out[(size_t)blockIdx.y * I + i] = (g * Sigmoid{}(g)) * h[row + I + i];
 """
-_HEADER = '#include "mlx/backend/cuda/device/unary_ops.cuh"\n'  # MLX's elementwise functors (NVRTC finds MLX's headers)
+SIGMOID = '#include "mlx/backend/cuda/device/unary_ops.cuh"\n'  # MLX's elementwise functors (NVRTC finds MLX's headers)
 
 
 @functools.cache
 def _kernel():
-    return cuda_kv.custom_kernel("bm_swiglu", _SOURCE, _HEADER, input_names=["h"], output_names=["out"])
+    return cuda_kv.custom_kernel("bm_swiglu", _SOURCE, SIGMOID, input_names=["h"], output_names=["out"])
 
 
 def swiglu_halves(h: mx.array) -> mx.array:

@@ -116,6 +116,35 @@ def test_bfloat16_lean_step_equals_mlx_lm_forward(prompt_lengths):
     np.testing.assert_allclose(got, want, rtol=0, atol=0.05 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("family, extra", [("llama", {}), ("qwen3", {"head_dim": 64})])
+def test_one_row_step_folds_each_norm_into_the_projection_after_it(monkeypatch, family, extra):
+    """One row: every layer's two norms and the final one run inside `norm_gemv` (the CUDA kernel on the H200;
+    here, made to serve on the CPU, its MLX-ops fallback), and the logits equal mlx-lm's forward."""
+    from kernels import norm_gemv
+
+    calls = []
+    real = norm_gemv.norm_gemv
+    monkeypatch.setattr(norm_gemv, "serves", lambda x, w: x.shape[0] == 1)
+    monkeypatch.setattr(norm_gemv, "norm_gemv", lambda *a, **k: calls.append(k.get("swiglu", False)) or real(*a, **k))
+    attention.install()
+    module = __import__(f"mlx_lm.models.{family}", fromlist=["Model"])
+    args = module.ModelArgs(model_type=family, hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96,
+                            max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True, **extra)
+    mx.random.seed(5)
+    model = module.Model(args)
+    norms = [model.model.norm] + [n for block in model.model.layers
+                                  for n in (block.input_layernorm, block.post_attention_layernorm)]
+    for norm in norms:  # distinct scales, so a norm applied in the wrong place shows
+        norm.weight = 1 + 0.3 * mx.random.normal(norm.weight.shape)
+    mx.eval(model.parameters())
+    fuse_projections(model)
+    (want, want_pool), (got, got_pool), _ = _both_forwards(model, "raw", (17,))
+    assert calls == [False, True, False, True, False]  # per layer q/k/v, then gate/up + SwiGLU; the head last
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_pool, want_pool, rtol=1e-6, atol=1e-6)
+
+
 def test_llama3_rope_model_lean_step_equals_mlx_lm_forward():
     scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}  # short, so positions here cross every band

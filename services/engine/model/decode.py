@@ -13,7 +13,9 @@ launch (`kernels.swiglu`), q, k and v come out of the fused projection
 normalized (Qwen3) and rotated in one launch (`kernels.qkv_rope`; in a decode window on CUDA, the
 same launch writes k and v, coded in a compressed layer, into their tail rows), each residual add runs in one
 launch with the RMSNorm after it (`kernels.fused_norm`), and each layer's cache
-(`PagedLayerCache`) is called directly.
+(`PagedLayerCache`) is called directly. One row on CUDA (single-stream decode, where the host's
+launches set the pace) also folds each add and RMSNorm into the projection after it, and the
+SwiGLU into the gate/up projection (`kernels.norm_gemv`): 7 launches a layer instead of 10.
 
 It serves the model types whose decoder layer is mlx-lm's Llama block with fused projections
 (`model.fuse`): llama (and mistral), qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), with mlx's `nn.RoPE` or
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels import norm_gemv
 from kernels.fused_norm import add_rms_norm
 from kernels.qkv_rope import RopeSpec, split_qkv_rope, split_qkv_rope_store, stores
 from kernels.skinny_gemm import serves, skinny_matmul
@@ -84,8 +87,8 @@ class LeanDecoder:
     Computes what `model(tokens[:, None], cache=caches)[:, -1]` computes (same weights, same
     caches, the same operations), with fewer graph nodes; on CUDA the fused RMSNorms (after each
     residual add, and Qwen3's on q and k) sum their squares in another order, and so do projections of
-    2 to 8 half-precision rows (`kernels.skinny_gemm`, against cuBLAS), so a value may differ in its last
-    bit (and a bf16 model's logits by that, carried through the layers). Build it with `LeanDecoder.build`, which returns None for a model it
+    2 to 8 half-precision rows (`kernels.skinny_gemm`, against cuBLAS) and of one (`kernels.norm_gemv`, against
+    MLX's gemv), so a value may differ in its last bit (and a bf16 model's logits by that, carried through the layers). Build it with `LeanDecoder.build`, which returns None for a model it
     does not serve (other families, RoPEs other than `nn.RoPE` and Llama 3's, quantized or biased
     MLPs, weights of mixed dtypes).
     """
@@ -94,6 +97,8 @@ class LeanDecoder:
         inner = model.model
         self._embed, self._layers = inner.embed_tokens, layers
         self._next_norms = [layer.input_norm for layer in layers[1:]] + [inner.norm]  # the norm after each layer
+        self._final_norm = inner.norm
+        self._unbiased = all(layer.qkv.bias is None for layer in layers)  # norm_gemv adds no bias
         head = inner.embed_tokens if model.args.tie_word_embeddings else model.lm_head
         self._head = _Proj.of(head.weight)
 
@@ -131,18 +136,31 @@ class LeanDecoder:
             mx.array: [B, vocab] in the model's dtype.
         """
         x = self._embed(tokens)  # [B, hidden]
+        if self._unbiased and norm_gemv.serves(x, self._head.weight):
+            return self._one_row(x, caches)
         normed = self._layers[0].input_norm(x)
         for layer, cache, next_norm in zip(self._layers, caches, self._next_norms):
-            x, normed = add_rms_norm(x, _attention(layer, normed, cache), layer.post_norm.weight, layer.post_norm.eps)
+            x, normed = add_rms_norm(x, _attention(layer, layer.qkv(normed), cache), layer.post_norm.weight,
+                                     layer.post_norm.eps)
             mlp = layer.down(swiglu_halves(layer.gate_up(normed)))
             x, normed = add_rms_norm(x, mlp, next_norm.weight, next_norm.eps)
         return self._head(normed)
 
+    def _one_row(self, x: mx.array, caches: list) -> mx.array:
+        """The forward of one row [1, hidden] with each norm inside the projection after it (`kernels.norm_gemv`)."""
+        mlp = None  # the sublayer output the next norm adds to x
+        for layer, cache in zip(self._layers, caches):
+            x, qkv = norm_gemv.norm_gemv(x, mlp, layer.input_norm.weight, layer.input_norm.eps, layer.qkv.weight)
+            x, act = norm_gemv.norm_gemv(x, _attention(layer, qkv, cache), layer.post_norm.weight, layer.post_norm.eps,
+                                         layer.gate_up.weight, swiglu=True)
+            mlp = layer.down(act)
+        return norm_gemv.norm_gemv(x, mlp, self._final_norm.weight, self._final_norm.eps, self._head.weight)[1]
 
-def _attention(layer: _Layer, h: mx.array, cache) -> mx.array:
-    """Self-attention of one token per row: h [B, hidden] -> [B, hidden]."""
+
+def _attention(layer: _Layer, qkv: mx.array, cache) -> mx.array:
+    """Self-attention of one token per row from its fused projection: qkv [B, (heads + 2 * kv) * head_dim] ->
+    [B, hidden]."""
     heads, kv = layer.n_heads, layer.n_kv_heads
-    qkv = layer.qkv(h)
     split = dict(n_heads=heads, n_kv_heads=kv, head_dim=layer.head_dim, rope=layer.rope, offset=cache.offset,
                  q_norm=layer.q_norm, k_norm=layer.k_norm)
     target = cache.store_target
