@@ -31,23 +31,7 @@ __device__ __forceinline__ void norm_row(const T* x, const T* r, const T* w, flo
   const int first = threadIdx.x * E;
   float v[E], wv[E];
   float ss = 0.f;
-  if constexpr (E == 8 && sizeof(T) == 2 && H % 8 == 0) {  // one 16-byte load an input (every block of a
-    uint4 xw = {}, rw = {}, ww = {};                        // norm_gemv reads the same row: 8x fewer requests)
-    if (first < H) {
-      xw = *reinterpret_cast<const uint4*>(x + first);
-      if (ADD) rw = *reinterpret_cast<const uint4*>(r + first);
-      ww = *reinterpret_cast<const uint4*>(w + first);
-    }
-    const T *xe = reinterpret_cast<const T*>(&xw), *re = reinterpret_cast<const T*>(&rw);
-    const T* we = reinterpret_cast<const T*>(&ww);
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const float xi = static_cast<float>(xe[e]);
-      v[e] = ADD ? static_cast<float>(static_cast<T>(xi + static_cast<float>(re[e]))) : xi;
-      wv[e] = static_cast<float>(we[e]);
-      ss = fmaf(v[e], v[e], ss);
-    }
-  } else {
+  auto scalar = [&]() {
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       const int i = first + e;
@@ -56,6 +40,32 @@ __device__ __forceinline__ void norm_row(const T* x, const T* r, const T* w, flo
       wv[e] = i < H ? static_cast<float>(w[i]) : 0.f;
       ss = fmaf(v[e], v[e], ss);
     }
+  };
+  if constexpr (E == 8 && sizeof(T) == 2 && H % 8 == 0) {  // one 16-byte load an input where aligned (every
+    // block of a norm_gemv reads the same row: 8x fewer requests); the same operations in the same order
+    const bool aligned = ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(r) |
+                           reinterpret_cast<uintptr_t>(w)) & 15) == 0;
+    if (aligned) {
+      uint4 xw = {}, rw = {}, ww = {};
+      if (first < H) {
+        xw = *reinterpret_cast<const uint4*>(x + first);
+        if (ADD) rw = *reinterpret_cast<const uint4*>(r + first);
+        ww = *reinterpret_cast<const uint4*>(w + first);
+      }
+      const T *xe = reinterpret_cast<const T*>(&xw), *re = reinterpret_cast<const T*>(&rw);
+      const T* we = reinterpret_cast<const T*>(&ww);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float xi = static_cast<float>(xe[e]);
+        v[e] = ADD ? static_cast<float>(static_cast<T>(xi + static_cast<float>(re[e]))) : xi;
+        wv[e] = static_cast<float>(we[e]);
+        ss = fmaf(v[e], v[e], ss);
+      }
+    } else {
+      scalar();
+    }
+  } else {
+    scalar();
   }
   for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
   if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;

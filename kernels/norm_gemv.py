@@ -36,8 +36,7 @@ UNIT_ROWS = 2  # weight rows a warp dots at once (a SwiGLU unit: a gate row and 
 
 _SOURCE = r"""
   static_assert(sizeof(T) == 2 && H % 256 == 0 && NT % 32 == 0, "fp16/bf16, H in whole 256-element chunks");
-  constexpr int KW = H / 256, CH = KW < 8 ? KW : 8, WPB = NT / 32;  // 16-byte words a lane takes of a row
-  static_assert(KW % CH == 0, "whole chunks of a row");
+  constexpr int KW = H / 256, CH = row_chunk(KW), WPB = NT / 32;  // 16-byte words a lane takes of a row
   static_assert(!SWI || R == 2, "a SwiGLU unit is a gate row and its up row");
   const int N = w_shape[0];
   const int units = SWI ? N / 2 : (N + R - 1) / R;
@@ -92,6 +91,13 @@ _SOURCE = r"""
 """
 
 _DOT8 = r"""
+// Words of a row a lane holds at once: the largest divisor of kw up to 8 (registers: 2 rows x CH x 16 bytes).
+__host__ __device__ constexpr int row_chunk(int kw) {
+  for (int c = 8; c > 1; --c)
+    if (kw % c == 0) return c;
+  return 1;
+}
+
 // Two packed fp16 / bf16 values as floats (low half first).
 __device__ __forceinline__ float2 unpack2(uint32_t w, __half) { return __half22float2(*reinterpret_cast<__half2*>(&w)); }
 __device__ __forceinline__ float2 unpack2(uint32_t w, __nv_bfloat16) {
@@ -149,7 +155,7 @@ def norm_gemv(x: mx.array, residual: mx.array | None, norm_weight: mx.array, eps
         swiglu (bool): Return `silu(gate) * up` [1, I] instead of the projection [1, N].
 
     Returns:
-        tuple[mx.array, mx.array]: `h` [1, H] (x itself when `residual` is None) and the output [1, N]
+        tuple[mx.array, mx.array]: `h` [1, H] (x's values when `residual` is None) and the output [1, N]
         (or [1, N / 2] with `swiglu`), in x's dtype.
 
     Raises:

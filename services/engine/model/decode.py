@@ -2,8 +2,8 @@
 
 At decode, MLX spends host time on every primitive of the step's graph (~1.6 µs per view on
 the CPU backend, ~4.5 µs per launching primitive on CUDA); with mlx-lm's forward the host, not
-the GPU, set the pace at small batches (issue 10), and with this one the H200 step is bound by
-the GPU's own execution (`ops/results/gpu_time_llama-1b.json`). mlx-lm's modules run `[B, L, D]` activations: each Linear
+the GPU, set the pace at small batches (issue 10); this one launches fewer (`ops/step_ops.py` counts
+them, `ops/gpu_time.py` times them). mlx-lm's modules run `[B, L, D]` activations: each Linear
 adds a weight transpose and a flatten/unflatten around its matmul, and attention reshapes and
 transposes q, k, v and its output — about 30 views per layer that launch nothing. This forward
 runs the same modules' weights on `[B, D]` activations (one token per row): the weights'
