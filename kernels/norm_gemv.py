@@ -9,7 +9,8 @@ fewer (before the q/k/v projection, before gate/up, and the SwiGLU).
 
 Every block computes the norm of the row itself (a few KB from L2, with `add_rms_norm`'s
 arithmetic, so y is bit for bit the fused norm's) while its first weight rows are already in
-flight; block 0 writes h. Each warp then dots units of weight rows with y: lane l reads 16-byte
+flight; block 0 writes h. eps is a template argument: as a 4-byte array it sat in MLX's host-side
+small pool, and every warp's read crossed the bus (13 µs a launch on the H200). Each warp then dots units of weight rows with y: lane l reads 16-byte
 words l, l + 32, ... of a row (a warp reads whole 512-byte stretches), float32 sums, a butterfly
 across the warp, rounded to the model's dtype once. A unit is two rows, or with `swiglu` gate row
 j and up row j (`I` apart), whose outputs round to the dtype and meet as MLX's compiled `swiglu`
@@ -90,7 +91,7 @@ _SOURCE = r"""
   }
 """
 
-_DOT8 = r"""
+_HELPERS = r"""
 // Words of a row a lane holds at once: the largest divisor of kw up to 8 (registers: 2 rows x CH x 16 bytes).
 __host__ __device__ constexpr int row_chunk(int kw) {
   for (int c = 8; c > 1; --c)
@@ -121,7 +122,7 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
 
 @functools.cache
 def _kernel():
-    return cuda_kv.custom_kernel("bm_norm_gemv", _SOURCE, SIGMOID + NORM_ROW + _DOT8,
+    return cuda_kv.custom_kernel("bm_norm_gemv", _SOURCE, SIGMOID + NORM_ROW + _HELPERS,
                                  input_names=["x", "r", "nw", "w"], output_names=["out", "h"])
 
 
