@@ -97,7 +97,6 @@ class LeanDecoder:
         inner = model.model
         self._embed, self._layers = inner.embed_tokens, layers
         self._next_norms = [layer.input_norm for layer in layers[1:]] + [inner.norm]  # the norm after each layer
-        self._final_norm = inner.norm
         self._unbiased = all(layer.qkv.bias is None for layer in layers)  # norm_gemv adds no bias
         head = inner.embed_tokens if model.args.tie_word_embeddings else model.lm_head
         self._head = _Proj.of(head.weight)
@@ -154,7 +153,8 @@ class LeanDecoder:
             x, act = norm_gemv.norm_gemv(x, _attention(layer, qkv, cache), layer.post_norm.weight, layer.post_norm.eps,
                                          layer.gate_up.weight, swiglu=True)
             mlp = layer.down(act)
-        return norm_gemv.norm_gemv(x, mlp, self._final_norm.weight, self._final_norm.eps, self._head.weight)[1]
+        final = self._next_norms[-1]  # the model's last norm
+        return norm_gemv.norm_gemv(x, mlp, final.weight, final.eps, self._head.weight)[1]
 
 
 def _attention(layer: _Layer, qkv: mx.array, cache) -> mx.array:
