@@ -90,6 +90,14 @@ class LeaseExpired(ButtermilkError):
     code = ErrorCode.LEASE_EXPIRED
 
 
+class SessionEvicted(ButtermilkError):
+    """A turn on a session the server ended while it was idle between turns: evicted to make room
+    for another request (its slot or KV tokens), or ended with its lease. Not the client's fault;
+    start the session again (`new_session`) with its full history."""
+
+    code = ErrorCode.CANCELLED
+
+
 class EngineFailed(ButtermilkError):
     """The engine serving the request died; its reservations were dropped."""
 

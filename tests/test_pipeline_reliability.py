@@ -88,7 +88,7 @@ def test_idle_sessions_cannot_starve_a_request_item1(server, default_model):
     held, got, evicted, kept = run(main())
     assert (held.num_sessions, held.engines[0].reserved_slots, held.engines[0].max_slots) == (4, 4, 4)
     assert got.text == expected_text and got.usage.completion_tokens == 4
-    assert isinstance(evicted, ServerError) and evicted.code == ErrorCode.BAD_REQUEST  # the oldest went
+    assert isinstance(evicted, ServerError) and evicted.code == ErrorCode.CANCELLED  # the oldest went
     assert kept.usage.cached_tokens > 0
 
 

@@ -245,7 +245,18 @@ def test_an_evicted_sessions_waiting_turn_is_cancelled(core):
     out = core.on_controller(p.Revoked(code=ErrorCode.CANCELLED, session_ids=[internal]), 3.0)
     assert errors_by_id(out) == {"t2": ErrorCode.CANCELLED}
     again = msgs(client(core, p.Generate(id="t3", token_ids=[5], session_id="s"), 4.0), ToClient)
-    assert again[0].code == ErrorCode.BAD_REQUEST
+    assert again[0].code == ErrorCode.CANCELLED and "evicted" in again[0].message  # not the client's fault
+
+
+def test_a_turn_on_a_session_its_owner_closed_is_a_bad_request_and_an_evicted_ones_is_cancelled(core):
+    first_turn(core)
+    first_turn(core, session_id="kept", request_id="k1")
+    msgs(client(core, p.SessionClose(id="c", session_id="s"), 2.0), ToClient)
+    evicted = core.sessions.get(f"conn:{CLIENT.hex()}", "kept").session_id
+    core.on_controller(p.Revoked(code=ErrorCode.CANCELLED, session_ids=[evicted]), 2.5)
+    closed = msgs(client(core, p.Generate(id="t2", token_ids=[5], session_id="s"), 3.0), ToClient)
+    gone = msgs(client(core, p.Generate(id="t3", token_ids=[5], session_id="kept"), 3.0), ToClient)
+    assert (closed[0].code, gone[0].code) == (ErrorCode.BAD_REQUEST, ErrorCode.CANCELLED)
 
 
 def test_the_history_is_what_the_client_was_told_after_a_stop_string_item5(core, tokenizer):

@@ -435,11 +435,12 @@ class GatewayCore:
                 self._probed[identity] = now
                 self._out.append(ToClient(identity, Keepalive()))
 
-    def _drop_session(self, session_id: str, error: Error, now: float) -> None:
-        """A session ended: its turn waiting for a place or a reservation ends with `error`."""
+    def _drop_session(self, session_id: str, error: Error, now: float, *, by_owner: bool = False) -> None:
+        """A session ended: its turn waiting for a place or a reservation ends with `error`; a later turn
+        learns why (`SessionTable.check_turn`), unless its owner closed it (`by_owner`)."""
         for stream in [s for s in self._streams.values() if s.session_id == session_id and s.phase in _WAITING]:
             self._end(stream, error, now)
-        self.sessions.drop(session_id, error.code)
+        self.sessions.drop(session_id, None if by_owner else error.code)
 
     def _session_close(self, identity: bytes, msg: SessionClose, now: float) -> None:
         record = self.sessions.get(session_owner(identity, msg.lease_id), msg.session_id)
@@ -451,7 +452,8 @@ class GatewayCore:
         except ButtermilkError as exc:
             self._out.append(ToClient(identity, error_reply(exc, msg.id)))
             return
-        self._drop_session(record.session_id, Error(code=ErrorCode.CANCELLED, message="the session was closed"), now)
+        closed = Error(code=ErrorCode.CANCELLED, message="the session was closed")
+        self._drop_session(record.session_id, closed, now, by_owner=True)
         internal = msg.model_copy(update={"session_id": record.session_id, "lease_id": None})
         self._out.append(self.desk.forward(identity, internal, now, session_id=msg.session_id))
 

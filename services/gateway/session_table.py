@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from shared.errors import BadRequest, ButtermilkError, EngineFailed, ErrorCode
+from shared.errors import BadRequest, ButtermilkError, EngineFailed, ErrorCode, SessionEvicted
 
 from .local import is_local
 from .prompts import Turn
@@ -66,8 +66,9 @@ class SessionTable:
 
         Raises:
             BadRequest: a new session whose id is live for this owner, or a turn on a session
-                this owner has no live session of (one message, whatever the reason), that is
-                busy, or whose first turn has not finished.
+                this owner has no live session of (never started, closed by its owner, expired),
+                that is busy, or whose first turn has not finished.
+            SessionEvicted: the owner's session was evicted while idle, or ended with its lease.
             EngineFailed: the owner's session ended because its engine died.
         """
         record = self._live.get((owner, session_id))
@@ -137,8 +138,12 @@ class SessionTable:
         elif record.turn is None:
             self._forget(record)  # a first turn that kept nothing: no session
 
-    def drop(self, session_id: str, code: ErrorCode) -> SessionRecord | None:
-        """The session ended (closed, expired, evicted, engine death); remember why."""
+    def drop(self, session_id: str, code: ErrorCode | None) -> SessionRecord | None:
+        """The session ended; remember why for its owner's next turn (`check_turn`).
+
+        `code`: `ENGINE_FAILED` (its engine died), `CANCELLED` (evicted, or its lease closed), another
+        code, or None (its owner closed it: nothing to explain).
+        """
         record = self._by_id.get(session_id)
         if record is None:
             return None
@@ -157,7 +162,12 @@ class SessionTable:
         del self._live[(record.owner, record.client_session_id)]
 
     def _not_live(self, owner: Owner, session_id: str) -> ButtermilkError:
-        if self._ended.get((owner, session_id)) == ErrorCode.ENGINE_FAILED:
+        ended = self._ended.get((owner, session_id))
+        if ended == ErrorCode.ENGINE_FAILED:
             return EngineFailed(f"session {session_id!r} was lost with its engine; start it again")
-        return BadRequest(f"session {session_id!r} is not live for this client (never started, closed, "
-                          "expired or evicted); start it with new_session")  # fmt: skip
+        if ended == ErrorCode.CANCELLED:
+            return SessionEvicted(f"session {session_id!r} was ended by the server while idle (evicted to make "
+                                  "room for another request, or its lease closed); start it again with "
+                                  "new_session and its history")  # fmt: skip
+        return BadRequest(f"session {session_id!r} is not live for this client (never started, closed or "
+                          "expired); start it with new_session")  # fmt: skip
