@@ -98,6 +98,24 @@ def test_each_request_gets_the_tokens_it_gets_alone(tiny_llama, scheme, window):
     assert_all_free(core)
 
 
+@pytest.mark.skipif(mx.default_device() == mx.gpu, reason="a GPU runs launched steps ahead: their tokens come a step later")
+def test_on_the_cpu_a_step_returns_the_tokens_it_computed(tiny_llama):
+    """The CPU computes a launched step before the launch returns, so `step()` reads it back at once: a prompt's
+    first token comes from the step that prefilled it, not after the next decode window, and a finished
+    request's pages are free when its last tokens come back."""
+    core = make_core(tiny_loaded(tiny_llama), decode_window=4)
+    prompt = random_prompts([10])[0]
+    core.add_request(Request("a", prompt, SamplingParams(max_tokens=9)))
+    first = core.step()  # the prompt fits one chunk: prefill and its sampled token
+    assert [(o.request_id, len(o.new_token_ids)) for o in first] == [("a", 1)]
+    counts = [sum(len(o.new_token_ids) for o in core.step()) for _ in range(2)]
+    assert counts == [4, 4]  # one decode window (4 steps) a call
+    assert not core.has_unfinished()
+    assert_all_free(core)
+    want = greedy(tiny_llama, core.options, prompt, 9)
+    assert first[0].new_token_ids == want[:1]
+
+
 def test_mixed_full_and_sliding_layers_in_the_engine():
     model = make_tiny_mixed_llama(vocab=VOCAB)
     core = make_core(tiny_loaded(model), page_size=4)

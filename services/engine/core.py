@@ -130,6 +130,7 @@ class EngineCore:
         self.runner = ModelRunner(loaded.model, self.cache)
         self._check_geometry()
         self._in_flight: tuple[StepPlan, Launch] | None = None
+        self._runs_ahead = mx.default_device() == mx.gpu  # a GPU computes a launched step while the host goes on
         self._aborts: set[str] = set()
 
     def _check_geometry(self) -> None:
@@ -190,18 +191,30 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._aborts)
 
     def step(self) -> list[RequestOutput]:
-        """Read back the previous step, launch the next; return what the previous produced (plus aborts, failures)."""
+        """Read back the previous step, launch the next; return what the previous produced (plus aborts, failures).
+
+        On the CPU, whose launches return only once their steps are nearly computed, the step just launched is
+        read back too: holding its tokens for the next call would only delay them by a step (a prompt's first
+        token by a whole decode window)."""
+        outputs = self._read_back()
+        plan = self.scheduler.schedule()
+        outputs += [self._output(r, []) for r in plan.failed]
+        if plan.has_work:
+            self._in_flight = (plan, self.runner.run(plan))
+            if not self._runs_ahead:
+                outputs += self._read_back()
+                self.runner.drain()  # pages the step's finished requests released return now
+        else:
+            self.runner.drain()
+        return outputs
+
+    def _read_back(self) -> list[RequestOutput]:
+        """Collect the step in flight (if any) and apply aborts: what they finished or produced."""
         previous, self._in_flight = self._in_flight, None
         sampled = self.runner.collect(previous[1]) if previous else {}
         outputs = self._apply_aborts()
         if previous:
             outputs += [self._output(r, tokens) for r, tokens in self.scheduler.update(previous[0], sampled)]
-        plan = self.scheduler.schedule()
-        outputs += [self._output(r, []) for r in plan.failed]
-        if plan.has_work:
-            self._in_flight = (plan, self.runner.run(plan))
-        else:
-            self.runner.drain()
         return outputs
 
     def stats(self) -> EngineStats:
