@@ -261,14 +261,14 @@ def interleaved_rates(loaded, context: int, args) -> dict[str, dict]:
             if not core.has_unfinished():
                 continue
             begin = time.perf_counter()
-            outputs = core.step()  # collects the last window, launches the next
+            outputs = core.step()  # launches the next window (run ahead: after collecting the last)
             mx.synchronize()  # ... and waits for it: the next engine starts on an idle GPU
             seconds = time.perf_counter() - begin
             tokens = sum(len(out.new_token_ids) for out in outputs)
-            if rounds[scheme]:  # this step's tokens are the window timed by the last one
+            if core.run_ahead and rounds[scheme]:  # this step's tokens are the window timed by the last one
                 rounds[scheme][-1][0] = tokens
             if produced[scheme] >= args.warmup * args.streams:
-                rounds[scheme].append([0, seconds])
+                rounds[scheme].append([0 if core.run_ahead else tokens, seconds])
             produced[scheme] += tokens
     out = {}
     for scheme, timed in rounds.items():

@@ -176,9 +176,12 @@ def test_state_bytes_are_fixed_per_slot_and_reported(hybrid):
     assert stats.per_request == {"r": (3, 3 * stats.bytes_per_token + per_slot)}
 
 
-def test_an_abort_mid_window_frees_the_slot_and_spares_the_other_rows():
+@pytest.mark.parametrize("run_ahead", [True, False], ids=["run ahead", "read back at once"])
+def test_an_abort_mid_window_frees_the_slot_and_spares_the_other_rows(run_ahead):
+    """Run ahead (the GPU's order) the abort lands while r1's next window is in flight; read back at once (the
+    CPU's) it lands between windows."""
     model = make_hybrid("nemotron_h", amplify=True)
-    core = make_core(loaded_hybrid(model), max_slots=2)
+    core = make_core(loaded_hybrid(model), max_slots=2, run_ahead=run_ahead)
     prompts = random_prompts([4, 9, 17], seed=8)
     requests = [Request(f"r{i}", p, SamplingParams(max_tokens=12)) for i, p in enumerate(prompts)]
 

@@ -71,7 +71,7 @@ def record(core: EngineCore) -> tuple[dict, list]:
 
 def make_core(loaded, scheme="raw", *, prefix_cache=True, capacity_tokens=32768, window=None, **kwargs):
     options = CacheOptions(scheme=scheme, max_context=4096, window=window)
-    kwargs = {"max_slots": 16, "step_token_budget": 256, "page_size": PAGE} | kwargs
+    kwargs = {"max_slots": 16, "step_token_budget": 256, "page_size": PAGE, "run_ahead": True} | kwargs
     return EngineCore(loaded, options, capacity_tokens=capacity_tokens, prefix_cache=prefix_cache, **kwargs)
 
 

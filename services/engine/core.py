@@ -3,9 +3,11 @@
 `step()` = collect → update → schedule → run: the previous step's tokens are read back
 (the runner waits for it), aborts are applied, the scheduler records the tokens and decides
 (pure), and the runner builds and launches the step's forwards — a decode window of several
-steps when no prompt waits — without waiting. So a step's tokens come out of the following
-`step()` call, and the GPU computes while the caller handles what `step()` returned;
-`has_unfinished()` stays true until they have come out.
+steps when no prompt waits — without waiting. On a GPU (`run_ahead`) a step's tokens come out of
+the following `step()` call, and the GPU computes while the caller handles what `step()`
+returned; `has_unfinished()` stays true until they have come out. On the CPU a decode window
+is computed by the time its launch returns, so the same call reads it back (then the next
+`step()` has nothing in flight): its tokens, a prompt's first one above all, are not held back.
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ class EngineCore:
             else 8 (the CPU, whose steps run one after another).
         prefix_cache (bool): Share the full pages of common prompt prefixes between requests.
             Default: True.
+        run_ahead (bool | None): Return a step's tokens from the next `step()` call, launching the next step
+            before reading this one back. None: where steps compute while the host goes on (a GPU: where the
+            cache keeps a tail pool), not on the CPU, whose launches wait for their steps.
 
     Raises:
         ValueError: a budget not above `max_slots` (a prompt could starve), a cache kind the
@@ -108,6 +113,7 @@ class EngineCore:
         page_size: int = 16,
         decode_window: int | None = None,
         prefix_cache: bool = True,
+        run_ahead: bool | None = None,
     ):
         if step_token_budget <= max_slots:
             raise ValueError(f"step_token_budget {step_token_budget} must exceed max_slots {max_slots} "
@@ -130,7 +136,7 @@ class EngineCore:
         self.runner = ModelRunner(loaded.model, self.cache)
         self._check_geometry()
         self._in_flight: tuple[StepPlan, Launch] | None = None
-        self._runs_ahead = mx.default_device() == mx.gpu  # a GPU computes a launched step while the host goes on
+        self.run_ahead = self.cache.use_tail if run_ahead is None else run_ahead
         self._aborts: set[str] = set()
 
     def _check_geometry(self) -> None:
@@ -168,7 +174,7 @@ class EngineCore:
         self.scheduler.add(request)
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        """Cancel requests (idempotent); applied in the next `step()` between model step and update."""
+        """Cancel requests (idempotent); applied in the next `step()`, before its schedule."""
         self._aborts.update(request_ids)
 
     def close_session(self, session_id: str) -> int:
@@ -193,15 +199,15 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Read back the previous step, launch the next; return what the previous produced (plus aborts, failures).
 
-        On the CPU, whose launches return only once their steps are nearly computed, the step just launched is
-        read back too: holding its tokens for the next call would only delay them by a step (a prompt's first
-        token by a whole decode window)."""
+        Without `run_ahead` (the CPU, where a decode window is computed by the time its launch returns) the step
+        just launched is read back too: holding its tokens for the next call would only delay them by a step (a
+        prompt's first token by a whole decode window)."""
         outputs = self._read_back()
         plan = self.scheduler.schedule()
         outputs += [self._output(r, []) for r in plan.failed]
         if plan.has_work:
             self._in_flight = (plan, self.runner.run(plan))
-            if not self._runs_ahead:
+            if not self.run_ahead:
                 outputs += self._read_back()
                 self.runner.drain()  # pages the step's finished requests released return now
         else:

@@ -6,7 +6,7 @@ there is no prefill or decode phase: each request has `num_computed_tokens` agai
 it knows, decode rows cost one token each, and what is left of the budget goes to prompt
 chunks, so a long prompt never stalls running streams.
 
-Steps are pipelined (the runner builds step n while step n-1 computes), so `schedule`
+Steps may be pipelined (on a GPU the runner builds step n while step n-1 computes), so `schedule`
 counts tokens that are launched but not read back (`num_pending_outputs`), and `update`
 ignores rows of requests that ended meanwhile.
 
