@@ -30,7 +30,7 @@ _STATIC_SHARED_BYTES = 48 * 1024  # a kernel's static shared memory at most (CUD
 _ENCODE_WARPS = 4  # warps per block of the encoder (`encode_warps` a vector part; `EW` in its source)
 _COMBINE_THREADS = 512  # the combine kernel's block at most (`NT` in its source)
 _MAX_SPLIT_PAGES = 256  # pages one split walks at most (its page ids sit in shared memory: `MAXPG`)
-_ONE_SPLIT_TOKENS, _ONE_SPLIT_BYTES = 768, 192 * 1024  # a few rows' short page tables: one split (`default_tuning`)
+_ONE_SPLIT_TOKENS, _ONE_SPLIT_BYTES = 768, 128 * 1024  # a few rows' short page tables: one split (`default_tuning`)
 
 
 def is_available() -> bool:
@@ -489,9 +489,12 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     against 7.21-7.46; at 1 x 32K (`ops/results/gpu_time_*_32k_long_tiles.json`, the engine's launches) aura8v4
     25.9 against 27.5 us a layer and aura4v4 23.9 against 24.7 at head_dim 64, 44.0 against 45.1 and 39.3
     against 41.0 at 128 (raw 24.5 and 47.3). Few rows (`rows < NUM_SMS`): four waves of blocks (short splits
-    across every SM), but a short page table (up to 768 slots, 192 KiB of a kv head's K/V) is one split and no
+    across every SM), but a short page table (up to 768 slots, 128 KiB of a kv head's K/V) is one split and no
     combine (`ops/results/split_ab_gpu.json`, engines stepped in turn at a 512-token context, tables of 528-768
-    slots: llama raw 1.05-1.09x, aura4v4 1.03x, qwen3 aura4v4 1.11x; qwen3 raw, 384 KiB, 0.93x); many rows: two
+    slots: llama raw 1.05-1.09x, aura4v4 1.03x, qwen3 aura4v4 1.11x; qwen3 raw, 384 KiB, 0.93x). The byte cap is
+    128 KiB since `ops/results/one_split_bytes_gpu_2026-12-03.json` (two A/B pairs, 3 runs each, one host): llama
+    raw at a 512-token context (768 slots, 192 KiB) split to fill the GPU ran 806-836 tok/s against 754-791 as one
+    split (1.05x), aura4v4 (52 KiB) within noise, and one split stayed ahead at a 64-token context. Many rows: two
     waves, each block walking a long row. Elsewhere (float32 queries, head_dims other
     than 64 and 128, more than 16 query heads a kv head, a lane's codes not whole words) the FMA kernel, its
     rows staged by `cp.async` (at 32 x 8K 3.0-3.8 ms against 3.6-4.4 loading straight to registers). GPUs before

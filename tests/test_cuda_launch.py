@@ -109,9 +109,9 @@ def test_split_plan_hand_derived(max_tokens, batch, want):
 
 
 @pytest.mark.parametrize("scheme, head_dim, rows, want", [
-    ("raw", 64, 8, 768),  # 256 bytes a token (K and V, bf16): 192 KiB at 768 slots
-    ("raw", 128, 8, 384),  # 512 bytes a token: 192 KiB at 384
-    ("aura4v4", 128, 8, 768),  # 64 + 64 code bytes and 4 of meta: 1,489 under 192 KiB, capped at 768
+    ("raw", 64, 8, 512),  # 256 bytes a token (K and V, bf16): 128 KiB at 512 slots
+    ("raw", 128, 8, 256),  # 512 bytes a token: 128 KiB at 256
+    ("aura4v4", 128, 8, 768),  # 64 + 64 code bytes and 4 of meta: 992 under 128 KiB, capped at 768
     ("raw", 64, 256, 0),  # many rows: splits fill the GPU at every width
 ])
 def test_default_one_split_width_hand_derived(monkeypatch, scheme, head_dim, rows, want):
