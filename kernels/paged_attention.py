@@ -325,25 +325,37 @@ def history_masks(history: History, first: int, size: int, rule) -> tuple[mx.arr
 
 
 def _single_pass(queries, fmt: LayerFormat, history, chunks, extra, rule, *, scale, sinks):
-    """History that fits one chunk: decode it and run `mx.fast` SDPA once with an explicit mask."""
+    """History that fits one chunk: decode it and run `mx.fast` SDPA once with an explicit mask.
+
+    Values outside a row's live slots are zeroed (0 * NaN would reach the output). Keys there are left
+    as stored on the CPU, whose SDPA applies a boolean mask by selecting -inf for masked scores (a NaN
+    score never survives it): that skips a copy of the keys, a third of the layer's time at 32 rows of
+    ~100 tokens on 2 cores (2.5 -> 2.0 ms). Elsewhere (Metal) they are zeroed too.
+    """
     keys, values, masks = [], [], []
+    zero_keys = mx.default_device() != mx.cpu
     for first, rows in chunks:
         valid, visible = history_masks(history, first, rows[0].shape[2], rule)
         k, v = fmt.decode(rows)
         slot_valid = valid.swapaxes(-1, -2)
-        keys.append(mx.where(slot_valid, k, 0))
+        keys.append(mx.where(slot_valid, k, 0) if zero_keys else k)
         values.append(mx.where(slot_valid, v, 0))
         masks.append(visible)
     if extra is not None:
         keys.append(extra[0]), values.append(extra[1]), masks.append(extra[2])
     dtype = mx.float32  # as the chunked path: scores and sums in float32 whatever the storage
-    k, v = (mx.concatenate([x.astype(dtype) for x in parts], axis=2) for parts in (keys, values))
+    k, v = (_joined([x.astype(dtype) for x in parts]) for parts in (keys, values))
     length = queries.shape[2]
-    mask = mx.concatenate([mx.broadcast_to(m, (m.shape[0], 1, length, m.shape[-1])) for m in masks], axis=-1)
+    mask = _joined([mx.broadcast_to(m, (m.shape[0], 1, length, m.shape[-1])) for m in masks], axis=-1)
     q = fmt.rotate_query(queries.astype(dtype))
     sinks = None if sinks is None else sinks.astype(dtype)
     out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
     return fmt.unrotate_output(out).astype(queries.dtype)
+
+
+def _joined(parts: list[mx.array], axis: int = 2) -> mx.array:
+    """`parts` concatenated along `axis` (one part as it is: no copy)."""
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
 
 
 def _packed(fmt: LayerFormat, rows: int) -> bool:
