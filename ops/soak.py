@@ -227,7 +227,8 @@ class Tally:
                         self.wrong.append(f"{record['kind']}: {record['wrong']}")
                 elif status == "error":
                     self.errors[record["code"]] += 1
-                    self.messages[f"{record['code']}: {re.sub(r'[0-9]+', 'N', record.get('message', ''))}"] += 1
+                    shape = re.sub(r"[0-9]+", "N", re.sub(r"'[^']*'", "'…'", record.get("message", "")))  # ids and counts
+                    self.messages[f"{record['code']}: {shape}"] += 1
                     if record["code"] in UNEXPECTED_CODES:
                         self.wrong.append(f"{record['kind']}: {record['code']}: {record.get('message')}")
                 else:
