@@ -90,10 +90,10 @@ class LeaseExpired(ButtermilkError):
     code = ErrorCode.LEASE_EXPIRED
 
 
-class SessionEvicted(ButtermilkError):
-    """A turn on a session the server ended while it was idle between turns: evicted to make room
-    for another request (its slot or KV tokens), or ended with its lease. Not the client's fault;
-    start the session again (`new_session`) with its full history."""
+class SessionEnded(ButtermilkError):
+    """A turn on a session the server ended: evicted while idle between turns to make room for another
+    request (its slot or KV tokens), its lease closed, or a turn lost to a drain or a reservation timeout.
+    Not the client's fault; start the session again (`new_session`) with its full history."""
 
     code = ErrorCode.CANCELLED
 

@@ -259,6 +259,15 @@ def test_a_turn_on_a_session_its_owner_closed_is_a_bad_request_and_an_evicted_on
     assert (closed[0].code, gone[0].code) == (ErrorCode.BAD_REQUEST, ErrorCode.CANCELLED)
 
 
+def test_a_turn_on_an_expired_session_gets_lease_expired(core):
+    internal = first_turn(core)
+    core.on_controller(p.Revoked(code=ErrorCode.LEASE_EXPIRED, session_ids=[internal]), 2.0)
+    again = msgs(client(core, p.Generate(id="t2", token_ids=[5], session_id="s"), 3.0), ToClient)
+    assert again[0].code == ErrorCode.LEASE_EXPIRED and "expired" in again[0].message
+    other = msgs(client(core, p.Generate(id="x", token_ids=[5], session_id="s"), 3.0, OTHER), ToClient)
+    assert other[0].code == ErrorCode.BAD_REQUEST  # another client learns nothing of it
+
+
 def test_the_history_is_what_the_client_was_told_after_a_stop_string_item5(core, tokenizer):
     prompt_ids = list(tokenizer.encode("1, 2, 3, 4, 5,"))
     sends = start(core, "t1", prompt="1, 2, 3, 4, 5,", stop=[" 9, 10"], session_id="s", new_session=True)

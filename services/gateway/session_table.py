@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from shared.errors import BadRequest, ButtermilkError, EngineFailed, ErrorCode, SessionEvicted
+from shared.errors import BadRequest, ButtermilkError, EngineFailed, ErrorCode, LeaseExpired, SessionEnded
 
 from .local import is_local
 from .prompts import Turn
@@ -66,9 +66,10 @@ class SessionTable:
 
         Raises:
             BadRequest: a new session whose id is live for this owner, or a turn on a session
-                this owner has no live session of (never started, closed by its owner, expired),
-                that is busy, or whose first turn has not finished.
-            SessionEvicted: the owner's session was evicted while idle, or ended with its lease.
+                this owner has no live session of (never started, or closed by its owner), that
+                is busy, or whose first turn has not finished.
+            LeaseExpired: the owner's session expired (idle past the server's timeout, or its lease expired).
+            SessionEnded: the server ended the owner's session otherwise (evicted, its lease closed, a drain).
             EngineFailed: the owner's session ended because its engine died.
         """
         record = self._live.get((owner, session_id))
@@ -141,8 +142,8 @@ class SessionTable:
     def drop(self, session_id: str, code: ErrorCode | None) -> SessionRecord | None:
         """The session ended; remember why for its owner's next turn (`check_turn`).
 
-        `code`: `ENGINE_FAILED` (its engine died), `CANCELLED` (evicted, or its lease closed), another
-        code, or None (its owner closed it: nothing to explain).
+        `code`: `ENGINE_FAILED` (its engine died), `LEASE_EXPIRED` (it or its lease expired), `CANCELLED`
+        (evicted, or its lease closed), another code (a turn failed), or None (its owner closed it).
         """
         record = self._by_id.get(session_id)
         if record is None:
@@ -165,9 +166,13 @@ class SessionTable:
         ended = self._ended.get((owner, session_id))
         if ended == ErrorCode.ENGINE_FAILED:
             return EngineFailed(f"session {session_id!r} was lost with its engine; start it again")
-        if ended == ErrorCode.CANCELLED:
-            return SessionEvicted(f"session {session_id!r} was ended by the server while idle (evicted to make "
-                                  "room for another request, or its lease closed); start it again with "
-                                  "new_session and its history")  # fmt: skip
-        return BadRequest(f"session {session_id!r} is not live for this client (never started, closed or "
-                          "expired); start it with new_session")  # fmt: skip
+        if ended == ErrorCode.LEASE_EXPIRED:
+            return LeaseExpired(f"session {session_id!r} expired (idle past the server's timeout, or its lease "
+                                "expired); start it again with new_session and its history")  # fmt: skip
+        if ended is not None:
+            cancelled = ended == ErrorCode.CANCELLED
+            why = "evicted between turns to make room, or its lease closed" if cancelled else f"a turn failed: {ended}"
+            return SessionEnded(f"session {session_id!r} was ended by the server ({why}); start it again with "
+                                "new_session and its history")  # fmt: skip
+        return BadRequest(f"session {session_id!r} is not live for this client (never started, or closed); "
+                          "start it with new_session")  # fmt: skip
