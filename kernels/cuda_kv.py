@@ -239,6 +239,8 @@ class Tuning:
         one_split_tokens (int): A page table of this many token slots or fewer is one split; 0: splits fill
             the GPU at every width. Any launch of one split and no attention sink (this, or many rows
             whose fill needs one) writes the output itself, no combine kernel.
+        slabs (int): Tensor-core kernel: 16-token slabs a warp takes at once (one softmax update for all,
+            their products independent), the tile a multiple of `16 * slabs` tokens.
     """
 
     dims_per_lane: int = 8
@@ -251,6 +253,7 @@ class Tuning:
     stage_bytes: int = 8192
     mma: bool = False
     one_split_tokens: int = 0
+    slabs: int = 1
 
 
 def _split_plan(max_tokens: int, batch: int, n_kv_heads: int, page_size: int, waves: int,
@@ -428,7 +431,8 @@ def _staging(fmt: LayerFormat, group: int, page_size: int, per_split: int, step:
 def _mma_staging(fmt: LayerFormat, dtype: mx.Dtype, group: int, page_size: int, per_split: int,
                  tuning: Tuning) -> list | None:
     """Template arguments of the tensor-core kernel's ring (`kernels.cuda_mma`): W (warps), TT (tokens a
-    tile: `16 * warps * unroll`, at most a split's tokens rounded up to 16), NS (stages), RG and CG
+    tile: `16 * warps * unroll`, at most a split's tokens, in multiples of `16 * slabs`), NS (stages), CH
+    (`slabs`), RG and CG
     (compressed rows' copies, `_copy_geometry`); stages, then tile tokens, are cut until the ring fits
     beside the fixed arrays. None where the kernel does not serve the layer (dtype, head_dim, group, a
     lane's codes not whole words: `_whole_lane_words`) or even two 16-token stages do not fit."""
@@ -440,16 +444,16 @@ def _mma_staging(fmt: LayerFormat, dtype: mx.Dtype, group: int, page_size: int, 
     row_bytes = 2 * d if fmt.is_raw else 4 * fmt.row_words
     token_bytes = 2 * (d + 8) * 2 if fmt.is_raw else row_bytes  # raw: K and V rows padded to d + 8
     budget = _ring_budget(fmt, group)
-    warps, stages = tuning.warps, max(2, tuning.stages)
-    tile = min(16 * warps * tuning.unroll, -(-per_split // 16) * 16)
+    warps, stages, unit = tuning.warps, max(2, tuning.stages), 16 * tuning.slabs
+    tile = max(unit, min(16 * warps * tuning.unroll // unit * unit, -(-per_split // unit) * unit))
     while stages * tile * token_bytes > budget or 4 * warps * group * (d + 2) > budget:
         if stages > 2:
             stages -= 1
-        elif tile > 16:
-            tile -= 16
+        elif tile > unit:
+            tile -= unit
         else:
             return None
-    return [("W", warps), ("TT", tile), ("NS", stages), *_copy_geometry(row_bytes, page_size)]
+    return [("W", warps), ("TT", tile), ("NS", stages), ("CH", tuning.slabs), *_copy_geometry(row_bytes, page_size)]
 
 
 def _whole_lane_words(fmt: LayerFormat) -> bool:
@@ -488,7 +492,14 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     aura4v4 2.36 against 2.55 ms, affine4 2.63 against 2.74, at 128 aura8v4 8.08 against 8.39, affine4 6.99
     against 7.21-7.46; at 1 x 32K (`ops/results/gpu_time_*_32k_long_tiles.json`, the engine's launches) aura8v4
     25.9 against 27.5 us a layer and aura4v4 23.9 against 24.7 at head_dim 64, 44.0 against 45.1 and 39.3
-    against 41.0 at 128 (raw 24.5 and 47.3). Few rows (`rows < NUM_SMS`): four waves of blocks (short splits
+    against 41.0 at 128 (raw 24.5 and 47.3). Compressed K/V: a warp takes its two 16-token slabs at once (`slabs`:
+    one softmax update, twice the independent products and code lookups in flight; the kernel is bound by
+    latency, not bytes) and, over few rows, two warps a block (`ops/results/slabs_gpu_2026-12-04.json`, CUPTI,
+    16 / 28 layers' partial + combine, ms, new against old default): llama 1 x 32K affine8 0.360 / 0.365, affine4
+    0.315 / 0.325, aura8v4 0.424 / 0.433, aura4v4 0.368 / 0.391 (raw 0.402); 1 x 8K 0.177 / 0.194, 0.166 /
+    0.176, 0.203 / 0.217, 0.185 / 0.198 (raw 0.197); 32 x 8K (four warps) 1.83 / 1.93, 1.59 / 1.62, 2.29 /
+    2.31, 2.08 / 2.08 (raw 2.32); qwen3 1 x 32K 0.956 / 1.002, 0.825 / 0.911, 1.214 / 1.284, 1.018 / 1.078
+    (raw 1.373). Raw K/V gained nothing from two slabs. Few rows (`rows < NUM_SMS`): four waves of blocks (short splits
     across every SM), but a short page table (up to 768 slots, 128 KiB of a kv head's K/V) is one split and no
     combine (`ops/results/split_ab_gpu.json`, engines stepped in turn at a 512-token context, tables of 528-768
     slots: llama raw 1.05-1.09x, aura4v4 1.03x, qwen3 aura4v4 1.11x; qwen3 raw, 384 KiB, 0.93x). The byte cap is
@@ -509,9 +520,11 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
         return Tuning(dims_per_lane=wide, unroll=1, warps=4, waves=waves, prefetch=many)
     narrow_aura_keys = fmt.head_dim == 128 and fmt.key.kind == AURA and fmt.key.bits <= 4
     one_split = 0 if many else min(_ONE_SPLIT_TOKENS, _ONE_SPLIT_BYTES // fmt.bytes_per_row)
-    return Tuning(dims_per_lane=wide, unroll=1 if fmt.is_raw else 2,
-                  warps=4 if fmt.head_dim <= 64 or narrow_aura_keys else 2,
-                  waves=waves, stages=4, mma=True, one_split_tokens=one_split)
+    if fmt.is_raw:
+        return Tuning(dims_per_lane=wide, unroll=1, warps=4 if fmt.head_dim <= 64 else 2, waves=waves, stages=4,
+                      mma=True, one_split_tokens=one_split)
+    return Tuning(dims_per_lane=wide, unroll=2, warps=4 if many and (fmt.head_dim <= 64 or narrow_aura_keys) else 2,
+                  waves=waves, stages=4, mma=True, one_split_tokens=one_split, slabs=2)
 
 
 @functools.cache

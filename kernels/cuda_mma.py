@@ -98,7 +98,7 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 """
 
 PARTIAL_MMA = r"""
-  static_assert(sizeof(T) == 2 && D % 16 == 0 && G <= 16 && TT % 16 == 0, "fp16/bf16, D % 16, G <= 16");
+  static_assert(sizeof(T) == 2 && D % 16 == 0 && G <= 16 && TT % (16 * CH) == 0, "fp16/bf16, D % 16, G <= 16");
   constexpr bool RAW = KMODE == 0;
   constexpr int DP = D + 8;                    // padded row of a 16-bit tile (elements)
   constexpr int RB = RAW ? D * 2 : ROWW * 4;   // bytes of a token's row in one pool
@@ -106,7 +106,7 @@ PARTIAL_MMA = r"""
   constexpr int RING = NS * SB;
   constexpr int EPI = W * G * (D + 2) * 4;
   constexpr int SMEM = RING > EPI ? RING : EPI;
-  constexpr int KSTEPS = D / 16, NBLK = D / 8;
+  constexpr int KSTEPS = D / 16, NBLK = D / 8, NB = 2 * CH;  // NB: 8-token blocks of a warp's CH slabs
   // Compressed rows: lane t = lane % 4 holds dims [t * KSPAN, + KSPAN) of every key (KLW whole words of
   // codes; the query's columns are permuted alike), lane group gid dims [gid * VSPAN, + VSPAN) of every
   // value (VLW words), so a lane loads its words once a row and every shift is a compile-time constant.
@@ -213,13 +213,13 @@ PARTIAL_MMA = r"""
         __syncthreads();
       }
     }
-    for (int j0 = warp * 16; j0 < rows; j0 += 16 * W) {  // this warp's 16-token chunks
+    for (int j0 = warp * 16 * CH; j0 < rows; j0 += 16 * CH * W) {  // this warp's CH 16-token slabs at once
       // AURA vector scales of this lane's accumulator columns, tokens j0 + 8 nb + c0 + x (the same tokens
       // its P fragment holds): keys' scale the scores, values' the probabilities (0 past the end).
-      float ks[2][2], vs[2][2];
+      float ks[NB][2], vs[NB][2];
       if constexpr (KMODE == 2 || VMODE == 2) {
 #pragma unroll
-        for (int nb = 0; nb < 2; ++nb) {
+        for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
           for (int x = 0; x < 2; ++x) {
             const int jt = j0 + nb * 8 + c0 + x;
@@ -229,9 +229,9 @@ PARTIAL_MMA = r"""
           }
         }
       }
-      float s[2][4];
+      float s[NB][4];
 #pragma unroll
-      for (int nb = 0; nb < 2; ++nb) {  // S = Q K^T for tokens j0 + 8 nb .. + 7; this lane's B column: token gid
+      for (int nb = 0; nb < NB; ++nb) {  // S = Q K^T for tokens j0 + 8 nb .. + 7; this lane's B column: token gid
         s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
         const int j = j0 + nb * 8 + gid;
         if constexpr (RAW) {
@@ -274,7 +274,7 @@ PARTIAL_MMA = r"""
       }
       float mx[2] = {m[0], m[1]};
 #pragma unroll
-      for (int nb = 0; nb < 2; ++nb) {
+      for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           if (j0 + nb * 8 + c0 + (e & 1) >= rows) s[nb][e] = -INFINITY;  // past the split's end
@@ -291,9 +291,9 @@ PARTIAL_MMA = r"""
         for (int n = 0; n < NBLK; ++n) { acc[n][2 * r] *= a; acc[n][2 * r + 1] *= a; }
         m[r] = mx[r];
       }
-      uint32_t pa[4];  // P as the A operand: tokens c0, c0 + 1 (+ 8) of rows gid (+ 8); AURA: times V's scales
+      uint32_t pa[CH][4];  // P as A operands, slab c: tokens 16 c + c0, + 1 (+ 8) of rows gid (+ 8); AURA: times V's scales
 #pragma unroll
-      for (int nb = 0; nb < 2; ++nb) {
+      for (int nb = 0; nb < NB; ++nb) {
         float p[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -301,53 +301,57 @@ PARTIAL_MMA = r"""
           l[e >> 1] += p[e];
           if constexpr (VMODE == 2) p[e] *= vs[nb][e & 1];
         }
-        pa[2 * nb] = pack2<VO>(p[0], p[1]);
-        pa[2 * nb + 1] = pack2<VO>(p[2], p[3]);
+        pa[nb / 2][2 * (nb % 2)] = pack2<VO>(p[0], p[1]);
+        pa[nb / 2][2 * (nb % 2) + 1] = pack2<VO>(p[2], p[3]);
       }
-      // O += P V; this lane's B rows: tokens j0 + c0 + {0, 1, 8, 9}, column: dim 8 n + gid.
-      if constexpr (RAW) {
-        const T* v0 = reinterpret_cast<const T*>(stage) + (TT + j0 + c0) * DP + gid;
 #pragma unroll
-        for (int n = 0; n < NBLK; ++n) {
-          const T* v = v0 + n * 8;
-          mma16816<T>(acc[n], pa, pair<T>(v[0], v[DP]), pair<T>(v[8 * DP], v[9 * DP]));
-        }
-      } else {  // this lane's B rows: tokens j0 + c0 + {0, 1, 8, 9}; its dims gid * VSPAN + n
-        uint32_t vw[4][VLW];
-        __half sc[4], bi[4];  // affine: the group of the lane's dims, 0 where the row is not live
+      for (int c = 0; c < CH; ++c) {  // O += P V, slab by slab (tokens jc .. jc + 15)
+        const int jc = j0 + 16 * c;
+        // this lane's B rows: tokens jc + c0 + {0, 1, 8, 9}, column: dim 8 n + gid.
+        if constexpr (RAW) {
+          const T* v0 = reinterpret_cast<const T*>(stage) + (TT + jc + c0) * DP + gid;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = j0 + c0 + (e & 1) + (e >> 1) * 8;
-          const uint32_t* row = reinterpret_cast<const uint32_t*>(stage) + j * ROWW;
-#pragma unroll
-          for (int v = 0; v < VLW; ++v) vw[e][v] = row[KWORDS + gid * VLW + v];
-          if constexpr (VMODE == 1) {  // a zero, not 0 * NaN, where the row is not live
-            const __half* meta = reinterpret_cast<const __half*>(row + MOFF) + KMH;
-            sc[e] = j < rows ? meta[gid * VSPAN / VGS] : __float2half(0.f);
-            bi[e] = j < rows ? meta[D / VGS + gid * VSPAN / VGS] : __float2half(0.f);
+          for (int n = 0; n < NBLK; ++n) {
+            const T* v = v0 + n * 8;
+            mma16816<T>(acc[n], pa[c], pair<T>(v[0], v[DP]), pair<T>(v[8 * DP], v[9 * DP]));
           }
-        }
-        if constexpr (VMODE == 2) {  // AURA: centroids (finite whatever the bits; P carries the scales)
-          auto x = [&](int e, int n) { return cbs[KCB + lane_code<VBITS>(vw[e], n)]; };
+        } else {  // this lane's B rows: tokens jc + c0 + {0, 1, 8, 9}; its dims gid * VSPAN + n
+          uint32_t vw[4][VLW];
+          __half sc[4], bi[4];  // affine: the group of the lane's dims, 0 where the row is not live
 #pragma unroll
-          for (int n = 0; n < NBLK; ++n) mma16816<T>(acc[n], pa, pair<T>(x(0, n), x(1, n)), pair<T>(x(2, n), x(3, n)));
-        } else {  // affine, in fp16 as the keys: B register r holds dim n of tokens e = 2r, 2r + 1
-          auto b = [&](int r, int n) {
-            const uint32_t(&w0)[VLW] = vw[2 * r];
-            const uint32_t(&w1)[VLW] = vw[2 * r + 1];
-            uint32_t x;
-            if constexpr (VBITS == 2 || VBITS == 4 || VBITS == 8) {  // the two words' 16-bit halves holding code n
-              constexpr int VC = 32 / VBITS;
-              const int c = n % VC;
-              x = (__byte_perm(w0[n / VC], w1[n / VC], c * VBITS < 16 ? 0x5410 : 0x7632) >> (c * VBITS % 16)) &
-                  (((1u << VBITS) - 1u) * 0x10001u);
-            } else {
-              x = lane_code<VBITS>(w0, n) | lane_code<VBITS>(w1, n) << 16;
+          for (int e = 0; e < 4; ++e) {
+            const int j = jc + c0 + (e & 1) + (e >> 1) * 8;
+            const uint32_t* row = reinterpret_cast<const uint32_t*>(stage) + j * ROWW;
+#pragma unroll
+            for (int v = 0; v < VLW; ++v) vw[e][v] = row[KWORDS + gid * VLW + v];
+            if constexpr (VMODE == 1) {  // a zero, not 0 * NaN, where the row is not live
+              const __half* meta = reinterpret_cast<const __half*>(row + MOFF) + KMH;
+              sc[e] = j < rows ? meta[gid * VSPAN / VGS] : __float2half(0.f);
+              bi[e] = j < rows ? meta[D / VGS + gid * VSPAN / VGS] : __float2half(0.f);
             }
-            return affine_half2(x, __halves2half2(sc[2 * r], sc[2 * r + 1]), __halves2half2(bi[2 * r], bi[2 * r + 1]));
-          };
+          }
+          if constexpr (VMODE == 2) {  // AURA: centroids (finite whatever the bits; P carries the scales)
+            auto x = [&](int e, int n) { return cbs[KCB + lane_code<VBITS>(vw[e], n)]; };
 #pragma unroll
-          for (int n = 0; n < NBLK; ++n) mma16816<VO>(acc[n], pa, b(0, n), b(1, n));
+            for (int n = 0; n < NBLK; ++n) mma16816<T>(acc[n], pa[c], pair<T>(x(0, n), x(1, n)), pair<T>(x(2, n), x(3, n)));
+          } else {  // affine, in fp16 as the keys: B register r holds dim n of tokens e = 2r, 2r + 1
+            auto b = [&](int r, int n) {
+              const uint32_t(&w0)[VLW] = vw[2 * r];
+              const uint32_t(&w1)[VLW] = vw[2 * r + 1];
+              uint32_t x;
+              if constexpr (VBITS == 2 || VBITS == 4 || VBITS == 8) {  // the two words' 16-bit halves holding code n
+                constexpr int VC = 32 / VBITS;
+                const int ci = n % VC;
+                x = (__byte_perm(w0[n / VC], w1[n / VC], ci * VBITS < 16 ? 0x5410 : 0x7632) >> (ci * VBITS % 16)) &
+                    (((1u << VBITS) - 1u) * 0x10001u);
+              } else {
+                x = lane_code<VBITS>(w0, n) | lane_code<VBITS>(w1, n) << 16;
+              }
+              return affine_half2(x, __halves2half2(sc[2 * r], sc[2 * r + 1]), __halves2half2(bi[2 * r], bi[2 * r + 1]));
+            };
+#pragma unroll
+            for (int n = 0; n < NBLK; ++n) mma16816<VO>(acc[n], pa[c], b(0, n), b(1, n));
+          }
         }
       }
     }

@@ -40,8 +40,8 @@ def lane_words_whole(fmt) -> bool:
 @pytest.mark.parametrize("page", [16, 5])
 def test_tensor_core_plans_fit_shared_memory(scheme, head_dim, group, page):
     fmt = layer_format(scheme, layer=0, dtype=mx.bfloat16, head_dim=head_dim)
-    for tuning, per_split in itertools.product([cuda_kv.Tuning(warps=w, unroll=u, stages=s, mma=True)
-                                                for w, u, s in itertools.product([1, 2, 4], [1, 2], [2, 4])],
+    for tuning, per_split in itertools.product([cuda_kv.Tuning(warps=w, unroll=u, stages=s, mma=True, slabs=c)
+                                                for w, u, s, c in itertools.product([1, 2, 4], [1, 2], [2, 4], [1, 2])],
                                                [page, 128 + page, 8192]):
         plan = cuda_kv._mma_staging(fmt, mx.bfloat16, group, page, per_split, tuning)
         if not fmt.is_raw and not lane_words_whole(fmt):
@@ -49,7 +49,9 @@ def test_tensor_core_plans_fit_shared_memory(scheme, head_dim, group, page):
             continue
         assert plan is not None, (tuning, per_split)
         args = dict(plan)
-        assert args["TT"] % 16 == 0 and args["NS"] >= 2 and args["W"] == tuning.warps
+        # a warp's slabs never reach past a tile: whole slabs of every warp
+        assert args["TT"] % (16 * tuning.slabs) == 0 and args["NS"] >= 2 and args["W"] == tuning.warps
+        assert args["CH"] == tuning.slabs
         token = 2 * (head_dim + 8) * 2 if fmt.is_raw else 4 * fmt.row_words
         ring = args["NS"] * args["TT"] * token
         merge = args["W"] * group * (head_dim + 2) * 4
@@ -120,20 +122,22 @@ def test_default_one_split_width_hand_derived(monkeypatch, scheme, head_dim, row
     assert cuda_kv.default_tuning(fmt, rows).one_split_tokens == want
 
 
-@pytest.mark.parametrize("scheme, head_dim, rows, warps, unroll", [
-    ("raw", 64, 8, 4, 1),  # raw tiles of 16 * warps tokens
-    ("raw", 128, 256, 2, 1),  # raw K and V tiles padded to 136 elements: two warps fit 48 KB
-    ("aura4v4", 64, 256, 4, 2),  # compressed: two 16-token chunks a warp between barriers
-    ("aura4v4", 128, 8, 4, 2),  # 4-bit AURA keys at 128: four warps (the sweep's best at 1 and 32 rows)
-    ("aura4v2", 128, 256, 4, 2),
-    ("aura8v4", 128, 256, 2, 2),  # 8-bit keys: two warps
-    ("affine4", 128, 256, 2, 2),
+@pytest.mark.parametrize("scheme, head_dim, rows, warps, unroll, slabs", [
+    ("raw", 64, 8, 4, 1, 1),  # raw tiles of 16 * warps tokens
+    ("raw", 128, 256, 2, 1, 1),  # raw K and V tiles padded to 136 elements: two warps fit 48 KB
+    ("aura4v4", 64, 256, 4, 2, 2),  # compressed: a warp's two 16-token slabs at once
+    ("aura4v4", 64, 8, 2, 2, 2),  # few rows: two warps a block
+    ("aura4v4", 128, 8, 2, 2, 2),
+    ("aura4v4", 128, 256, 4, 2, 2),  # 4-bit AURA keys at 128: four warps over many rows
+    ("aura4v2", 128, 256, 4, 2, 2),
+    ("aura8v4", 128, 256, 2, 2, 2),  # 8-bit keys: two warps
+    ("affine4", 128, 256, 2, 2, 2),
 ])
-def test_default_tiles_hand_derived(monkeypatch, scheme, head_dim, rows, warps, unroll):
+def test_default_tiles_hand_derived(monkeypatch, scheme, head_dim, rows, warps, unroll, slabs):
     monkeypatch.setattr(cuda_kv, "_compute_capability", lambda: 9)
     fmt = layer_format(scheme, layer=0, dtype=mx.bfloat16, head_dim=head_dim)
     tuning = cuda_kv.default_tuning(fmt, rows)
-    assert (tuning.warps, tuning.unroll, tuning.mma) == (warps, unroll, True)
+    assert (tuning.warps, tuning.unroll, tuning.slabs, tuning.mma) == (warps, unroll, slabs, True)
 
 
 @pytest.mark.parametrize("max_tokens, one_split_tokens, want", [

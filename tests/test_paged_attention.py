@@ -242,13 +242,14 @@ TUNINGS = [cuda_kv.Tuning(), cuda_kv.Tuning(8, 2, 4, 2, False), cuda_kv.Tuning(1
            cuda_kv.Tuning(8, 2, 8, 8, True, stages=2, stage_bytes=1024),
            cuda_kv.Tuning(8, 1, 4, 1, True, stages=4, stage_bytes=1 << 16),
            cuda_kv.Tuning(warps=4, stages=4, mma=True), cuda_kv.Tuning(unroll=2, warps=2, waves=16, stages=2, mma=True),
-           cuda_kv.Tuning(warps=1, stages=3, mma=True)]
+           cuda_kv.Tuning(warps=1, stages=3, mma=True), cuda_kv.Tuning(unroll=2, warps=4, stages=4, mma=True, slabs=2),
+           cuda_kv.Tuning(unroll=1, warps=2, waves=16, stages=3, mma=True, slabs=2)]
 
 
 def tuning_id(t: cuda_kv.Tuning) -> str:
     shape = f"d{t.dims_per_lane}u{t.unroll}w{t.warps}v{t.waves}q{int(t.query_in_registers)}"
     if t.mma:
-        return f"mma-u{t.unroll}w{t.warps}v{t.waves}s{t.stages}"
+        return f"mma-u{t.unroll}w{t.warps}v{t.waves}s{t.stages}c{t.slabs}"
     return f"staged-{shape}s{t.stages}b{t.stage_bytes}" if t.stages else f"direct-{shape}p{int(t.prefetch)}"
 
 
@@ -324,8 +325,9 @@ def test_capped_splits_match_float64_reference(monkeypatch, scheme):
 
 @pytest.mark.skipif(not ON_CUDA, reason="the one-split launch is the CUDA kernels' (the MLX-ops path has no "
                     "splits); needs MLX's CUDA backend; run on the H200")
-@pytest.mark.parametrize("tuning", [cuda_kv.Tuning(stages=4), cuda_kv.Tuning(warps=2, stages=4, mma=True)],
-                         ids=["fma", "mma"])
+@pytest.mark.parametrize("tuning", [cuda_kv.Tuning(stages=4), cuda_kv.Tuning(warps=2, stages=4, mma=True),
+                                    cuda_kv.Tuning(unroll=2, warps=2, stages=4, mma=True, slabs=2)],
+                         ids=["fma", "mma", "mma-slabs2"])
 @pytest.mark.parametrize("scheme, head_dim, group", [("raw", 64, 4), ("affine4", 128, 2), ("aura4v4", 64, 4),
                                                      ("aura8v4", 128, 2), ("aura4v2", 128, 8)])
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sink", "sink"])
