@@ -194,10 +194,7 @@ def core_level(core, workload: Workload, concurrency: int) -> list[RequestRecord
         core.add_request(Request(request_id, workload.prompt(client, sent[client]), params))
         sent[client] += 1
 
-    for client in range(concurrency):
-        send(client)
-    while core.has_unfinished():
-        outputs = core.step()
+    def take(outputs) -> None:
         now = time.monotonic()
         for out in outputs:
             record = records[out.request_id]
@@ -208,4 +205,10 @@ def core_level(core, workload: Workload, concurrency: int) -> list[RequestRecord
                     record.error_code = out.error.code.value if out.error else "internal"
                 if sent[record.client] < workload.requests_per_client:
                     send(record.client)
+
+    for client in range(concurrency):
+        send(client)
+    while core.has_unfinished():  # as the engine service steps: read back, take in, launch
+        take(core.collect())
+        take(core.launch())
     return list(records.values())

@@ -1,6 +1,7 @@
 """`EngineCore`: continuous batching over a `BatchedKVCache`, with no sockets (vLLM V1's inner loop).
 
-`step()` = collect → update → schedule → run: the previous step's tokens are read back
+`step()` = collect → update → schedule → run (`collect()` then `launch()`, which a caller may
+also call apart, taking in requests in between): the previous step's tokens are read back
 (the runner waits for it), aborts are applied, the scheduler records the tokens and decides
 (pure), and the runner builds and launches the step's forwards — a decode window of several
 steps when no prompt waits — without waiting. On a GPU (`run_ahead`) a step's tokens come out of
@@ -199,12 +200,23 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Read back the previous step, launch the next; return what the previous produced (plus aborts, failures).
 
+        The same as `collect()` then `launch()`; a caller that takes in requests or sends tokens between the two
+        (the engine service) lets a request that arrived while the step in flight ran join the very next one,
+        and its clients hear their tokens before the next step's launch, not after it."""
+        return self.collect() + self.launch()
+
+    def collect(self) -> list[RequestOutput]:
+        """Wait for the step in flight (if any), read it back and apply aborts; return what they produced."""
+        return self._read_back()
+
+    def launch(self) -> list[RequestOutput]:
+        """Schedule and launch the next step; return the requests it failed (and, without `run_ahead`, its outputs).
+
         Without `run_ahead` (the CPU, where a decode window is computed by the time its launch returns) the step
         just launched is read back too: holding its tokens for the next call would only delay them by a step (a
         prompt's first token by a whole decode window)."""
-        outputs = self._read_back()
         plan = self.scheduler.schedule()
-        outputs += [self._output(r, []) for r in plan.failed]
+        outputs = [self._output(r, []) for r in plan.failed]
         if plan.has_work:
             self._in_flight = (plan, self.runner.run(plan))
             if not self.run_ahead:

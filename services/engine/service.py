@@ -1,10 +1,15 @@
-"""The engine process: a socket thread feeding a queue, and the main thread running `core.step()`.
+"""The engine process: a socket thread feeding a queue, and the main thread stepping `EngineCore`.
 
 MLX steps block, so (as in vLLM's `EngineCoreProc`) the sockets live on their own thread:
 `EngineIO` decodes what the gateway and the controller send into a `queue.Queue`, sends HELLO
 and heartbeats on its own schedule (so a long step never looks like death), and relays the
 main thread's controller-bound frames. The main thread owns the engine-out PUSH socket and the
-`EngineCore`: drain the inbox → `step()` → publish tokens and finishes.
+`EngineCore`: drain the inbox → `collect()` (read back the step in flight) → publish its tokens
+and finishes → drain again → `launch()` the next step. Between the read-back and the launch the
+GPU has nothing to do anyway, so the tokens leave a launch sooner (launching a decode window
+takes the host milliseconds) and a request that arrived while the step ran joins the next one
+(taken in only before the read-back, it waited a whole step more than in process: measured on an
+H200, `ops/results/pipeline_trace_gpu_2026-12-04.json`).
 
 Every accepted request ends: one still waiting for a slot or pages after `wait_timeout_s`
 ends with `queue_timeout` (refused: a session is unchanged). `stop()` drains: new requests
@@ -257,9 +262,9 @@ class EngineService:
         self.inbox.put(Stop(0, reason))
 
     def _loop(self, out: zmq.Socket, relay: zmq.Socket, io: EngineIO) -> Stop:
-        drain_until = 0.0
+        drain_until, held = 0.0, None  # held: a Stop met between a step's read-back and the next launch
         while True:
-            stop = self._drain(out, block=not self.core.has_unfinished())
+            stop, held = held or self._drain(out, block=not self.core.has_unfinished()), None
             if stop is not None and (stop.status != 0 or not self.running):
                 return stop
             if stop is not None and self._draining is None:
@@ -272,9 +277,11 @@ class EngineService:
             if self.core.has_unfinished() or self._needs_fence:
                 # An idle step passes the cache's fence, so a closed session's pages return now.
                 self._needs_fence = False
-                outputs = self.core.step()
-                self.meter.record(outputs)
-                self._publish(outputs, out, relay)
+                # Tokens go out before the next launch (the host's launch of a decode window takes
+                # milliseconds), and requests that arrived while the GPU ran the last step join the next.
+                self._publish(self.core.collect(), out, relay)
+                held = self._drain(out, block=False)
+                self._publish(self.core.launch(), out, relay)
             if time.monotonic() >= self._next_snapshot:
                 io.snapshot = self._snapshot()
                 self._next_snapshot = time.monotonic() + SNAPSHOT_EVERY_S
@@ -350,7 +357,8 @@ class EngineService:
         self.running[msg.id] = Running(msg.resv_id, msg.session_id, accepted_at=time.monotonic())
 
     def _publish(self, outputs: list[RequestOutput], out: zmq.Socket, relay: zmq.Socket) -> None:
-        """Send one step's tokens as one batch, then each finish, then KV growth reports."""
+        """Count a step's outputs; send its tokens as one batch, then each finish, then KV growth reports."""
+        self.meter.record(outputs)
         chunks = []
         for o in outputs:
             run = self.running.get(o.request_id)
