@@ -7,7 +7,13 @@ timeout still leaves data):
   with the serve settings) driven in this process, no sockets, at each concurrency;
 - `serve`: `buttermilk serve --engines E` (real processes, 127.0.0.1), the same closed-loop
   token-id load through the gateway, each engine's device from `stats`;
-- `kill` (E ≥ 2): `ops.serve_kill`, one engine SIGKILLed under load.
+- `kill` (E ≥ 2): `ops.serve_kill`, one engine SIGKILLed under load;
+- `paired`: the engine core in this process and `serve --engines 1` both alive, each level run
+  `--rounds` times on each, alternating which goes first and with fresh prompts every round, so a
+  host that drifts slows both alike: `paired` gives the cost per token of every round and their
+  median (the core and serve phases run one after the other, on a host whose pace may have
+  moved between them; a 512-token prompt's prefill is most of a closed-loop level, so their
+  levels swing by ±20% between calls).
 
 Per level: TTFT, inter-token latency (ITL) and time per output token (TPOT) p50/p95 in ms,
 aggregate completion tok/s; through `serve`, also each process's CPU time over the level (gateway,
@@ -44,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a model folder (e.g. from ops.random_model)")
     parser.add_argument("--out", type=Path, required=True, help="JSON file; phases add their keys to it")
-    parser.add_argument("--phases", default="core,serve", help="comma-separated: core, serve, kill")
+    parser.add_argument("--phases", default="core,serve", help="comma-separated: core, serve, kill, paired")
+    parser.add_argument("--rounds", type=int, default=3, help="paired: runs per level on each side")
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--device", default="auto", help="serve's --device (auto: one engine per GPU)")
     parser.add_argument("--dtype", default="bfloat16")
@@ -151,6 +158,9 @@ def summary_lines(data: dict) -> list[str]:
                 lines.append("    cpu: " + ", ".join(f"{role} {c['cores_busy']} cores, {c['us_per_token']} µs/token"
                                                     for role, c in lvl["cpu"].items()))  # fmt: skip
     lines += [f"overhead c={r['concurrency']}: {r['cost_per_token_pct']}% per token" for r in data.get("overhead", [])]
+    lines += [f"paired c={lv['concurrency']}: core {lv['core_tok_s']} vs serve {lv['serve_tok_s']} tok/s, cost per "
+              f"token {lv['rounds_pct']} %, median {lv['cost_per_token_pct']} %"
+              for lv in data.get("paired", {}).get("levels", []) if "skipped" not in lv]  # fmt: skip
     lines += [f"scaling {r['run']} c={r['concurrency']}: x{r['ratio']}"
               + (f" (ideal x{r['ideal_ratio']})" if "ideal_ratio" in r else "") for r in data.get("scaling", [])]
     for key in [k for k, v in data.items() if k.startswith("kill") and isinstance(v, dict) and "checks" in v]:
@@ -181,9 +191,8 @@ def workload(args, **changes) -> Workload:
     return dataclasses.replace(base, **changes)
 
 
-def phase_core(args, report: Report, deadline: float) -> None:
-    """EngineCore in this process, on the device the first engine would get."""
-    from ops.serve_load import core_level
+def build_core(args):
+    """`EngineCore` in this process on the device the first engine would get, and its description."""
     from services.commands.engine import build_service, describe_device, select_device
     from shared.settings import EngineSettings
     from services.commands.serve import engine_placement, resolve_device, visible_gpus
@@ -197,6 +206,14 @@ def phase_core(args, report: Report, deadline: float) -> None:
     core = build_service(settings).core
     info = {"device": describe_device(device), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "load_s": round(time.monotonic() - start, 2), "settings": sizes(args)}  # fmt: skip
+    return core, info
+
+
+def phase_core(args, report: Report, deadline: float) -> None:
+    """EngineCore in this process, on the device the first engine would get."""
+    from ops.serve_load import core_level
+
+    core, info = build_core(args)
     levels = run_levels(args, lambda w, c: core_level(core, w, c), deadline,
                         lambda lv: report.put("core", {**info, "levels": lv}))  # fmt: skip
     report.put("core", {**info, "levels": levels})
@@ -204,6 +221,50 @@ def phase_core(args, report: Report, deadline: float) -> None:
     import mlx.core as mx
 
     mx.clear_cache()  # a later phase's engines may share this GPU
+
+
+def paired_costs(core_tok_s: list[float], serve_tok_s: list[float]) -> dict:
+    """Each round's pipeline cost per token, `core / serve - 1` in percent, and their median.
+
+    Args:
+        core_tok_s, serve_tok_s: aggregate tok/s of the same rounds (equal lengths, > 0).
+
+    Returns:
+        `{"rounds_pct": [...], "cost_per_token_pct": median}` (the mean of the middle two for an
+        even count), rounded to 0.01.
+    """
+    costs = sorted((c / s - 1) * 100 for c, s in zip(core_tok_s, serve_tok_s, strict=True))
+    mid = len(costs) // 2
+    median = costs[mid] if len(costs) % 2 else (costs[mid - 1] + costs[mid]) / 2
+    return {"rounds_pct": [round((c / s - 1) * 100, 2) for c, s in zip(core_tok_s, serve_tok_s)],
+            "cost_per_token_pct": round(median, 2)}
+
+
+def phase_paired(args, report: Report, deadline: float, core, core_info: dict, server) -> None:
+    """Each level `--rounds` times on the in-process core and through serve, alternating."""
+    from ops.serve_load import WireLoad, core_level
+
+    sides = {"core": lambda w, c: core_level(core, w, c)}
+    load = WireLoad(server.address, max(args.concurrency))
+    sides["serve"] = load.run_level
+    levels = []
+    try:
+        for c in args.concurrency:
+            if time.monotonic() > deadline:
+                levels.append({"concurrency": c, "skipped": "deadline"})
+                continue
+            for side in sides.values():  # traces and allocator, prompts never measured
+                side(workload(args, max_tokens=8, requests=1, seed=-1 - c), c)
+            runs = {"core": [], "serve": []}
+            for r in range(args.rounds):
+                for name in ("core", "serve") if r % 2 == 0 else ("serve", "core"):
+                    runs[name].append(summarize(sides[name](workload(args, seed=1000 * c + r), c), c))
+            tok_s = {name: [lv["throughput_tok_s"] for lv in runs[name]] for name in runs}
+            levels.append({"concurrency": c, "core_tok_s": tok_s["core"], "serve_tok_s": tok_s["serve"],
+                           **paired_costs(tok_s["core"], tok_s["serve"]), "runs": runs})  # fmt: skip
+            report.put("paired", {"core": core_info, "engines": engine_table(server.stats()), "levels": levels})
+    finally:
+        load.close()
 
 
 def serve_flags(args) -> list[str]:
@@ -303,6 +364,22 @@ def run_server_phases(args, report: Report, deadline: float, server, phases: lis
         guarded(report, f"kill{args.label}", lambda: phase_kill(args, report, server))
 
 
+def run_paired(args, report: Report, deadline: float) -> None:
+    """The `paired` phase: the core in this process, then `serve --engines 1` beside it."""
+    from ops.serving import ServeProcess
+
+    core, info = build_core(args)
+    flags = serve_flags(argparse.Namespace(**{**vars(args), "engines": 1}))
+    server = ServeProcess.launch(flags, engines=1, log_path=args.out.with_name(f"{args.out.stem}.paired.log"))
+    try:
+        server.wait_ready(args.ready_timeout_s)
+        guarded(report, "paired", lambda: phase_paired(args, report, deadline, core, info, server))
+    except RuntimeError as exc:
+        report.put("paired_error", str(exc))
+    finally:
+        server.stop()
+
+
 def guarded(report: Report, key: str, phase) -> None:
     """Run a phase; an exception is recorded under `<key>_error` and the next phase still runs."""
     try:
@@ -322,6 +399,8 @@ def main(argv: list[str] | None = None) -> None:
     phases = args.phases.split(",")
     if "core" in phases:
         guarded(report, "core", lambda: phase_core(args, report, deadline))
+    if "paired" in phases:
+        run_paired(args, report, deadline)
     if "serve" in phases or "kill" in phases:
         log = args.out.with_name(f"{args.out.stem}.serve_e{args.engines}{args.label}.log")
         server = ServeProcess.launch(serve_flags(args), engines=args.engines, log_path=log)

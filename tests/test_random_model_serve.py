@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from ops.random_model import TINY, write_random_model
-from ops.serve_bench import cpu_table, scaling
+from ops.serve_bench import cpu_table, paired_costs, scaling
 from ops.serve_load import RequestRecord, summarize
 from ops.serving import ServeProcess, cpu_seconds, serve_roles
 
@@ -133,3 +133,13 @@ def test_scaling_rows_and_their_ideal():
         {"run": "serve_e2", "concurrency": 8, "tok_s": 630.0, "e1_tok_s": 600.0, "ratio": 1.05},
     ]  # fmt: skip
 
+
+
+def test_paired_costs_per_round_and_their_median():
+    # Rounds: core 1,100 vs serve 1,000 (10% a token), 900 vs 1,000 (-10%), 1,300 vs 1,000 (30%).
+    assert paired_costs([1100.0, 900.0, 1300.0], [1000.0] * 3) == {"rounds_pct": [10.0, -10.0, 30.0],
+                                                                  "cost_per_token_pct": 10.0}  # fmt: skip
+    # An even count: the middle two of -10, 10, 20, 30 average to 15.
+    assert paired_costs([900.0, 1100.0, 1200.0, 1300.0], [1000.0] * 4)["cost_per_token_pct"] == 15.0
+    with pytest.raises(ValueError):
+        paired_costs([1.0, 2.0], [1.0])
