@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="a model folder (e.g. from ops.random_model)")
     parser.add_argument("--out", type=Path, required=True, help="JSON file; phases add their keys to it")
     parser.add_argument("--phases", default="core,serve", help="comma-separated: core, serve, kill, paired")
-    parser.add_argument("--rounds", type=int, default=3, help="paired: runs per level on each side")
+    parser.add_argument("--rounds", type=lambda v: max(1, int(v)), default=3, help="paired: runs per level on each side (at least 1)")
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--device", default="auto", help="serve's --device (auto: one engine per GPU)")
     parser.add_argument("--dtype", default="bfloat16")
@@ -248,12 +248,17 @@ def phase_paired(args, report: Report, deadline: float, core, core_info: dict, s
     load = WireLoad(server.address, max(args.concurrency))
     sides["serve"] = load.run_level
     levels = []
+
+    def put() -> None:
+        report.put("paired", {"core": core_info, "engines": engine_table(server.stats()), "levels": levels})
+
     try:
         for c in args.concurrency:
             if time.monotonic() > deadline:
                 levels.append({"concurrency": c, "skipped": "deadline"})
+                put()
                 continue
-            for side in sides.values():  # traces and allocator, prompts never measured
+            for side in sides.values() if not args.no_warmup else ():  # traces and allocator; prompts never measured
                 side(workload(args, max_tokens=8, requests=1, seed=-1 - c), c)
             runs = {"core": [], "serve": []}
             for r in range(args.rounds):
@@ -262,7 +267,7 @@ def phase_paired(args, report: Report, deadline: float, core, core_info: dict, s
             tok_s = {name: [lv["throughput_tok_s"] for lv in runs[name]] for name in runs}
             levels.append({"concurrency": c, "core_tok_s": tok_s["core"], "serve_tok_s": tok_s["serve"],
                            **paired_costs(tok_s["core"], tok_s["serve"]), "runs": runs})  # fmt: skip
-            report.put("paired", {"core": core_info, "engines": engine_table(server.stats()), "levels": levels})
+            put()
     finally:
         load.close()
 
@@ -368,16 +373,21 @@ def run_paired(args, report: Report, deadline: float) -> None:
     """The `paired` phase: the core in this process, then `serve --engines 1` beside it."""
     from ops.serving import ServeProcess
 
-    core, info = build_core(args)
-    flags = serve_flags(argparse.Namespace(**{**vars(args), "engines": 1}))
-    server = ServeProcess.launch(flags, engines=1, log_path=args.out.with_name(f"{args.out.stem}.paired.log"))
-    try:
-        server.wait_ready(args.ready_timeout_s)
-        guarded(report, "paired", lambda: phase_paired(args, report, deadline, core, info, server))
-    except RuntimeError as exc:
-        report.put("paired_error", str(exc))
-    finally:
-        server.stop()
+    def phase() -> None:
+        core, info = build_core(args)
+        flags = serve_flags(argparse.Namespace(**{**vars(args), "engines": 1}))
+        server = ServeProcess.launch(flags, engines=1, log_path=args.out.with_name(f"{args.out.stem}.paired.log"))
+        try:
+            server.wait_ready(args.ready_timeout_s)
+            phase_paired(args, report, deadline, core, info, server)
+        finally:
+            server.stop()
+            del core
+            import mlx.core as mx
+
+            mx.clear_cache()
+
+    guarded(report, "paired", phase)
 
 
 def guarded(report: Report, key: str, phase) -> None:

@@ -18,7 +18,7 @@ from services.engine.generate import GenerationStats, generate
 from services.engine.model.loader import LoadedModel
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling import RequestSampler
-from shared.protocol import SamplingParams
+from shared.protocol import FinishReason, SamplingParams
 from services.engine.scheduler import Scheduler
 from shared.errors import BadRequest, CapacityExhausted, ContextOverflow
 from tests.batching_helpers import make_tiny_mixed_llama
@@ -141,6 +141,23 @@ def test_a_prompt_taken_in_between_a_read_back_and_the_next_launch_joins_that_la
         take(core.step())
     assert tokens == {"a": greedy(tiny_llama, core.options, pa, 12), "b": greedy(tiny_llama, core.options, pb, 5)}
     assert_all_free(core)
+
+
+def test_an_abort_taken_in_between_a_read_back_and_the_next_launch_is_not_launched(tiny_llama):
+    loaded = tiny_loaded(tiny_llama)
+    core = make_core(loaded, decode_window=4)  # runs ahead
+    core.add_request(Request("a", random_prompts([10])[0], SamplingParams(max_tokens=12)))
+    core.step()
+    assert [len(o.new_token_ids) for o in core.collect()] == [1]
+    core.abort(["a"])
+    [out] = core.launch()
+    assert (out.request_id, out.finish_reason, out.new_token_ids) == ("a", FinishReason.CANCELLED, [])
+    assert not core.has_unfinished()  # nothing was launched for it
+    assert_all_free(core)
+    with pytest.raises(RuntimeError):  # a launch must follow a read-back
+        core.add_request(Request("b", random_prompts([5])[0], SamplingParams(max_tokens=3)))
+        core.launch()
+        core.launch()
 
 
 def test_mixed_full_and_sliding_layers_in_the_engine():

@@ -175,7 +175,7 @@ class EngineCore:
         self.scheduler.add(request)
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        """Cancel requests (idempotent); applied in the next `step()`, before its schedule."""
+        """Cancel requests (idempotent); applied at the next read-back or launch, whichever comes first."""
         self._aborts.update(request_ids)
 
     def close_session(self, session_id: str) -> int:
@@ -210,13 +210,21 @@ class EngineCore:
         return self._read_back()
 
     def launch(self) -> list[RequestOutput]:
-        """Schedule and launch the next step; return the requests it failed (and, without `run_ahead`, its outputs).
+        """Apply aborts, schedule and launch the next step; return the aborted and failed requests (and, without
+        `run_ahead`, the step's outputs).
 
         Without `run_ahead` (the CPU, where a decode window is computed by the time its launch returns) the step
         just launched is read back too: holding its tokens for the next call would only delay them by a step (a
-        prompt's first token by a whole decode window)."""
+        prompt's first token by a whole decode window).
+
+        Raises:
+            RuntimeError: if a step is still in flight (`collect()` it first).
+        """
+        if self._in_flight is not None:
+            raise RuntimeError("launch() with a step in flight: collect() it first")
+        outputs = self._apply_aborts()  # those that came after the read-back are not scheduled
         plan = self.scheduler.schedule()
-        outputs = [self._output(r, []) for r in plan.failed]
+        outputs += [self._output(r, []) for r in plan.failed]
         if plan.has_work:
             self._in_flight = (plan, self.runner.run(plan))
             if not self.run_ahead:

@@ -281,7 +281,8 @@ class EngineService:
                 # milliseconds), and requests that arrived while the GPU ran the last step join the next.
                 self._publish(self.core.collect(), out, relay)
                 held = self._drain(out, block=False)
-                self._publish(self.core.launch(), out, relay)
+                if held is None or (held.status == 0 and self.running):  # else the loop's top returns
+                    self._publish(self.core.launch(), out, relay)
             if time.monotonic() >= self._next_snapshot:
                 io.snapshot = self._snapshot()
                 self._next_snapshot = time.monotonic() + SNAPSHOT_EVERY_S
