@@ -109,3 +109,45 @@ def test_a_stopping_engine_refuses_new_work_and_ends_what_it_accepted(tiny_llama
     }
     assert (ended["a"].refused, ended["b"].refused, ended["c"].refused) == (False, True, True)
     assert not svc.running and not svc.core.scheduler.requests
+
+
+class _IO:
+    snapshot = None
+
+
+def loop_with_arrivals(tiny_llama, arrivals: list) -> tuple[Stop, Captured, list[set[str]]]:
+    """Run the service's main loop on request "a"; put `arrivals` in its inbox just after the second read-back.
+
+    Returns the loop's Stop, the engine-out messages, and the requests each launch scheduled."""
+    svc, out, relay = service(tiny_llama), Captured(), Captured()
+    core, launched, reads = svc.core, [], []
+    collect, launch = core.collect, core.launch
+
+    def collect_then_arrive():
+        outputs = collect()
+        reads.append(1)
+        if len(reads) == 2:
+            for item in arrivals:
+                svc.inbox.put(item)
+        return outputs
+
+    def recorded_launch():
+        outputs = launch()
+        plan = core._in_flight[0] if core._in_flight else None
+        launched.append({r.request_id for r in plan.sampling} if plan else set())
+        return outputs
+
+    core.collect, core.launch = collect_then_arrive, recorded_launch
+    svc.inbox.put(generate("a", max_tokens=200))
+    return svc._loop(out, relay, _IO()), out, launched
+
+
+def test_an_abort_that_arrives_during_a_step_is_not_launched_again(tiny_llama):
+    stop, out, launched = loop_with_arrivals(tiny_llama, [p.EngineAbort(ids=["a"]), Stop(0, "test")])
+    assert stop.status == 0 and launched == [{"a"}, set()]  # a's prefill; the launch after the abort schedules nothing
+    assert (finishes(out)["a"].reason, finishes(out)["a"].code) == ("cancelled", None)
+
+
+def test_a_fatal_stop_that_arrives_during_a_step_launches_nothing_more(tiny_llama):
+    stop, out, launched = loop_with_arrivals(tiny_llama, [Stop(75, "stale epoch")])
+    assert stop.status == 75 and launched == [{"a"}]  # nothing launched after the second read-back
