@@ -1,7 +1,7 @@
 """Run one engine: load the model on a device and serve continuous batches for the gateway.
 
 The engine connects to the gateway (engine-cmd, engine-out) and the controller, says HELLO
-with its geometry, heartbeats, and runs `EngineCore.step()` while it has work. Settings come
+with its geometry, heartbeats, and steps its `EngineCore` while it has work (`services.engine.service`). Settings come
 from BUTTERMILK_* environment variables; flags override them.
 """
 
