@@ -65,9 +65,9 @@ class Captured:
         self.messages.append(p.decode(frame))
 
 
-def service(tiny_llama, **kwargs) -> EngineService:
-    core = make_core(tiny_loaded(tiny_llama), max_slots=1, step_token_budget=32)
-    geometry = p.Geometry(slots=1, capacity_tokens=2048, bytes_per_token=1, kv_cache="raw", max_context=4096)
+def service(tiny_llama, slots: int = 1, **kwargs) -> EngineService:
+    core = make_core(tiny_loaded(tiny_llama), max_slots=slots, step_token_budget=32)
+    geometry = p.Geometry(slots=slots, capacity_tokens=2048, bytes_per_token=1, kv_cache="raw", max_context=4096)
     hello = p.Hello(engine_id="e0", epoch=0, geometry=geometry)
     return EngineService(core, hello, EngineAddresses("inproc://a", "inproc://b", "inproc://c"), **kwargs)
 
@@ -115,11 +115,11 @@ class _IO:
     snapshot = None
 
 
-def loop_with_arrivals(tiny_llama, arrivals: list) -> tuple[Stop, Captured, list[set[str]]]:
+def loop_with_arrivals(tiny_llama, arrivals: list, slots: int = 1) -> tuple[Stop, Captured, list[set[str]]]:
     """Run the service's main loop on request "a"; put `arrivals` in its inbox just after the second read-back.
 
     Returns the loop's Stop, the engine-out messages, and the requests each launch scheduled."""
-    svc, out, relay = service(tiny_llama), Captured(), Captured()
+    svc, out, relay = service(tiny_llama, slots), Captured(), Captured()
     core, launched, reads = svc.core, [], []
     collect, launch = core.collect, core.launch
 
@@ -151,3 +151,10 @@ def test_an_abort_that_arrives_during_a_step_is_not_launched_again(tiny_llama):
 def test_a_fatal_stop_that_arrives_during_a_step_launches_nothing_more(tiny_llama):
     stop, out, launched = loop_with_arrivals(tiny_llama, [Stop(75, "stale epoch")])
     assert stop.status == 75 and launched == [{"a"}]  # nothing launched after the second read-back
+
+
+def test_a_request_that_arrives_during_a_step_joins_the_next_launch(tiny_llama):
+    """Taken in only before a read-back, it would wait for the launch after (measured on an H200: a window)."""
+    stop, out, launched = loop_with_arrivals(tiny_llama, [generate("b", max_tokens=4), Stop(0, "test")], slots=2)
+    assert stop.status == 0 and launched[:2] == [{"a"}, {"a", "b"}]
+    assert finishes(out)["b"].reason == "length"
