@@ -36,6 +36,7 @@ import dataclasses
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 import traceback
@@ -233,11 +234,8 @@ def paired_costs(core_tok_s: list[float], serve_tok_s: list[float]) -> dict:
         `{"rounds_pct": [...], "cost_per_token_pct": median}` (the mean of the middle two for an
         even count), rounded to 0.01.
     """
-    costs = sorted((c / s - 1) * 100 for c, s in zip(core_tok_s, serve_tok_s, strict=True))
-    mid = len(costs) // 2
-    median = costs[mid] if len(costs) % 2 else (costs[mid - 1] + costs[mid]) / 2
-    return {"rounds_pct": [round((c / s - 1) * 100, 2) for c, s in zip(core_tok_s, serve_tok_s)],
-            "cost_per_token_pct": round(median, 2)}
+    costs = [(c / s - 1) * 100 for c, s in zip(core_tok_s, serve_tok_s, strict=True)]
+    return {"rounds_pct": [round(c, 2) for c in costs], "cost_per_token_pct": round(statistics.median(costs), 2)}
 
 
 def phase_paired(args, report: Report, deadline: float, core, core_info: dict, server) -> None:

@@ -134,7 +134,6 @@ def test_scaling_rows_and_their_ideal():
     ]  # fmt: skip
 
 
-
 def test_paired_costs_per_round_and_their_median():
     # Rounds: core 1,100 vs serve 1,000 (10% a token), 900 vs 1,000 (-10%), 1,300 vs 1,000 (30%).
     assert paired_costs([1100.0, 900.0, 1300.0], [1000.0] * 3) == {"rounds_pct": [10.0, -10.0, 30.0],

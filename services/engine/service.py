@@ -264,7 +264,8 @@ class EngineService:
     def _loop(self, out: zmq.Socket, relay: zmq.Socket, io: EngineIO) -> Stop:
         drain_until, held = 0.0, None  # held: a Stop met between a step's read-back and the next launch
         while True:
-            stop, held = held or self._drain(out, block=not self.core.has_unfinished()), None
+            stop = held if held is not None else self._drain(out, block=not self.core.has_unfinished())
+            held = None
             if stop is not None and (stop.status != 0 or not self.running):
                 return stop
             if stop is not None and self._draining is None:
