@@ -229,3 +229,24 @@ def test_truncation_is_exact_for_every_layer_or_refused():
         fresh = forward(model, fresh_cache, [fresh_view], mx.array([tokens[start : start + 40]]))[0, -1]
     np.testing.assert_allclose(np.array(again), np.array(fresh), atol=1e-4)
     assert cache.slots.can_truncate(view, 0)
+
+
+def test_window_indices_give_each_step_its_rows_of_the_plan():
+    """Every step's [write rows, page table, lengths, positions], per window rule, as slices of one upload,
+    equal the plan's rows for that step (and the positions count on from each row's start)."""
+    model = make_tiny_mixed_llama(vocab=VOCAB)  # two rules: full attention, a sliding window
+    cache = make_cache(model, CacheOptions())
+    views = [cache.acquire() for _ in range(3)]
+    for view, n in zip(views, (5, 9, 2)):
+        cache.batch([view], n)  # rows of 5, 9 and 2 tokens
+    starts = np.array([v.num_tokens for v in views], np.int64)
+    plans = cache.plan_window(views, 3)
+    steps = cache.window_indices(plans, starts)
+    assert len(plans) == 2 and len(steps) == 3 and all(len(step) == 2 for step in steps)
+    for i, step in enumerate(steps):
+        for plan, (rows, table, lengths, offsets) in zip(plans, step):
+            np.testing.assert_array_equal(np.array(rows), plan.write_rows[i])
+            np.testing.assert_array_equal(np.array(table), plan.page_table)
+            np.testing.assert_array_equal(np.array(lengths), plan.lengths[i])
+            np.testing.assert_array_equal(np.array(offsets), starts + i)
+            assert rows.dtype == table.dtype == lengths.dtype == offsets.dtype == mx.int32

@@ -250,15 +250,26 @@ class BatchedKVCache:
         return [plan_window(w, starts, num_steps, padded, **shape) for w in self.windows]
 
     def window_indices(self, plans: Sequence[WindowIndex], starts: np.ndarray) -> list[list[list[mx.array]]]:
-        """Device index arrays of every step: `[step][window rule] -> decode_arrays` (one transfer)."""
+        """Device index arrays of every step: `[step][window rule] -> decode_arrays` (one transfer).
+
+        Each is a contiguous slice of the one upload, in device memory. A step's row taken by an integer index
+        was a gather kernel, three a step, and for one row its 4-byte outputs landed in MLX's small managed pool
+        in host memory, which every block of every attention and q/k/v launch then read across the bus
+        (`ops/results/index_slices_gpu_2026-12-04.json`: 1 x 8K, partial 11.0 -> 8.3 us, q/k/v 3.3 -> 2.0 us).
+        """
         num_steps = plans[0].lengths.shape[0]
         offsets = (starts[None, :] + np.arange(num_steps)[:, None]).astype(np.int32)
         parts = [offsets] + [a for p in plans for a in (p.write_rows, p.page_table, p.lengths)]
         packed = mx.array(np.concatenate([a.reshape(-1) for a in parts]))
-        bounds = np.cumsum([0] + [a.size for a in parts])
-        arrays = [packed[a:b].reshape(part.shape) for a, b, part in zip(bounds, bounds[1:], parts)]
-        offsets, groups = arrays[0], [arrays[1 + 3 * g : 4 + 3 * g] for g in range(len(plans))]
-        return [[[rows[i], table, lengths[i], offsets[i]] for rows, table, lengths in groups] for i in range(num_steps)]
+        bounds = np.cumsum([0] + [a.size for a in parts]).tolist()
+
+        def step_row(k: int, i: int) -> mx.array:  # row i of per-step part k, flat
+            width = parts[k].size // num_steps
+            return packed[bounds[k] + i * width : bounds[k] + (i + 1) * width]
+
+        tables = [packed[bounds[2 + 3 * g] : bounds[3 + 3 * g]].reshape(p.page_table.shape) for g, p in enumerate(plans)]
+        return [[[step_row(1 + 3 * g, i), tables[g], step_row(3 + 3 * g, i), step_row(0, i)] for g in range(len(plans))]
+                for i in range(num_steps)]
 
     def copy_to_tail(self, plans: Sequence[WindowIndex]) -> None:
         """Copy the pages a window writes into their tail pages (tokens from before it only; none without a tail)."""
