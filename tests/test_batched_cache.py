@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -232,8 +234,8 @@ def test_truncation_is_exact_for_every_layer_or_refused():
 
 
 def test_window_indices_give_each_step_its_rows_of_the_plan():
-    """Every step's [write rows, page table, lengths, positions], per window rule, as slices of one upload,
-    equal the plan's rows for that step (and the positions count on from each row's start)."""
+    """Every step's [write rows, page table, lengths, positions], per window rule, equal the plan's rows for
+    that step (the positions count on from each row's start), and none is computed by a gather."""
     model = make_tiny_mixed_llama(vocab=VOCAB)  # two rules: full attention, a sliding window
     cache = make_cache(model, CacheOptions())
     views = [cache.acquire() for _ in range(3)]
@@ -243,6 +245,9 @@ def test_window_indices_give_each_step_its_rows_of_the_plan():
     plans = cache.plan_window(views, 3)
     steps = cache.window_indices(plans, starts)
     assert len(plans) == 2 and len(steps) == 3 and all(len(step) == 2 for step in steps)
+    graph = io.StringIO()  # before any is evaluated
+    mx.export_to_dot(graph, *[a for step in steps for arrays in step for a in arrays])
+    assert "Gather" not in graph.getvalue()  # views of the upload: an integer index would gather (a kernel on a GPU)
     for i, step in enumerate(steps):
         for plan, (rows, table, lengths, offsets) in zip(plans, step):
             np.testing.assert_array_equal(np.array(rows), plan.write_rows[i])

@@ -252,10 +252,9 @@ class BatchedKVCache:
     def window_indices(self, plans: Sequence[WindowIndex], starts: np.ndarray) -> list[list[list[mx.array]]]:
         """Device index arrays of every step: `[step][window rule] -> decode_arrays` (one transfer).
 
-        Each is a contiguous slice of the one upload, in device memory. A step's row taken by an integer index
-        was a gather kernel, three a step, and for one row its 4-byte outputs landed in MLX's small managed pool
-        in host memory, which every block of every attention and q/k/v launch then read across the bus
-        (`ops/results/index_slices_gpu_2026-12-04.json`: 1 x 8K, partial 11.0 -> 8.3 us, q/k/v 3.3 -> 2.0 us).
+        Each is a contiguous slice of the one upload, in device memory: an integer index would be a gather
+        kernel, and a one-row batch's lengths and positions (4 bytes) would land in MLX's small managed pool in
+        host memory, read by every attention and q/k/v block (`ops/results/index_slices_gpu_2026-12-04.json`).
         """
         num_steps = plans[0].lengths.shape[0]
         offsets = (starts[None, :] + np.arange(num_steps)[:, None]).astype(np.int32)
