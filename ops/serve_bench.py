@@ -242,9 +242,8 @@ def phase_paired(args, report: Report, deadline: float, core, core_info: dict, s
     """Each level `--rounds` times on the in-process core and through serve, alternating."""
     from ops.serve_load import WireLoad, core_level
 
-    sides = {"core": lambda w, c: core_level(core, w, c)}
     load = WireLoad(server.address, max(args.concurrency))
-    sides["serve"] = load.run_level
+    sides = {"core": lambda w, c: core_level(core, w, c), "serve": load.run_level}
     levels = []
 
     def put() -> None:

@@ -14,7 +14,7 @@ from services.engine.cache import CacheOptions, Window, make_layer_caches
 from services.engine.cache.pages import LayerBudget, SlotTable
 from services.engine.cache.schemes import SCHEMES
 from services.engine.core import EngineCore
-from services.engine.generate import GenerationStats, generate
+from services.engine.generate import GenerationStats, generate, prefill
 from services.engine.model.loader import LoadedModel
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling import RequestSampler
@@ -210,9 +210,7 @@ def assert_same_until_a_near_tie(loaded, options: CacheOptions, prompt, got: lis
     k = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
     if k is None:
         return
-    caches, fed = make_layer_caches(loaded.model, options), prompt + want[:k]
-    for start in range(0, len(fed), 16):
-        logits = loaded.model(mx.array(fed[start:start + 16])[None], cache=caches)[0, -1]
+    logits = prefill(loaded.model, make_layer_caches(loaded.model, options), prompt + want[:k], chunk=16)
     gap = float((logits[want[k]] - logits[got[k]]).astype(mx.float32).item())
     assert abs(gap) < NEAR_TIE, f"{label}: token {k} is {got[k]}, not {want[k]}, {gap:.3f} logits below it"
 
