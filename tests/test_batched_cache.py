@@ -243,10 +243,12 @@ def test_window_indices_give_each_step_its_rows_of_the_plan():
         cache.batch([view], n)  # rows of 5, 9 and 2 tokens
     starts = np.array([v.num_tokens for v in views], np.int64)
     plans = cache.plan_window(views, 3)
-    steps = cache.window_indices(plans, starts)
+    arrays = cache.window_indices(plans, starts)
+    steps = arrays.steps
     assert len(plans) == 2 and len(steps) == 3 and all(len(step) == 2 for step in steps)
     graph = io.StringIO()  # before any is evaluated
-    mx.export_to_dot(graph, *[a for step in steps for arrays in step for a in arrays])
+    mx.export_to_dot(graph, *[a for step in steps for rule in step for a in rule],
+                     *[a for moves in arrays.to_tail + arrays.from_tail for a in moves or ()])
     assert "Gather" not in graph.getvalue()  # views of the upload: an integer index would gather (a kernel on a GPU)
     for i, step in enumerate(steps):
         for plan, (rows, table, lengths, offsets) in zip(plans, step):

@@ -31,8 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache.batched import BatchedKVCache
-from .cache.decode_window import WindowIndex
+from .cache.batched import BatchedKVCache, WindowArrays
 from .cache.pages import SlotView
 from .model.decode import LeanDecoder
 from .request import Request
@@ -48,7 +47,7 @@ class Launch:
     prefill_tokens: list[tuple[str, mx.array]] = field(default_factory=list)  # request id, uint32 [1]
     window_ids: list[str] = field(default_factory=list)  # decode rows, in batch order
     window_tokens: list[mx.array] = field(default_factory=list)  # per step, uint32 [B]
-    window_plans: list[WindowIndex] = field(default_factory=list)  # to copy the tail back
+    window_arrays: WindowArrays | None = None  # its index arrays: the tail's rows to copy back
     window_start: WindowStart | None = None  # the rows' recurrent state before the window (hybrids)
     window_states: list[mx.array] = field(default_factory=list)  # the rows' recurrent state after it
 
@@ -113,7 +112,7 @@ class ModelRunner:
             steps = np.array(mx.stack(launch.window_tokens)).tolist()  # [N, B]
             for row, rid in enumerate(launch.window_ids):
                 sampled[rid] = [step[row] for step in steps]
-            self.cache.copy_from_tail(launch.window_plans)  # in place: nothing is in flight
+            self.cache.copy_from_tail(launch.window_arrays)  # in place: nothing is in flight
             if launch.window_start is not None:
                 self.cache.write_window_states(launch.window_start.views, launch.window_states)
                 self._window_start = launch.window_start
@@ -153,14 +152,14 @@ class ModelRunner:
         cache = self.cache
         starts = np.array([r.slot.num_tokens for r in requests], np.int64)
         plans = cache.plan_window([r.slot for r in requests], num_steps)
-        indices = cache.window_indices(plans, starts)
-        cache.copy_to_tail(plans)
+        arrays = cache.window_indices(plans, starts)
+        cache.copy_to_tail(arrays)
         views = tuple(r.slot for r in requests)
         states = cache.read_window_states(views)
         if states:
             launch.window_start = WindowStart(views, tuple(int(s) for s in starts), states)
         tokens = mx.array([r.output_token_ids[-1] for r in requests], dtype=mx.uint32)
-        for step in indices:
+        for step in arrays.steps:
             if not cache.use_tail:
                 mx.synchronize()  # the step writes the main pools: in place only once the last step is done
             logits, written, states = self._step(tokens, step, cache.arrays, cache.tail_arrays, states)
@@ -169,7 +168,7 @@ class ModelRunner:
             launch.window_tokens.append(tokens)
             mx.async_eval(tokens, *written, *states)
         launch.window_ids = [r.request_id for r in requests]
-        launch.window_plans, launch.window_states = plans, states
+        launch.window_arrays, launch.window_states = arrays, states
 
     def _window_step(self, tokens: mx.array, indices, arrays: list[mx.array], tail_arrays: list[mx.array],
                      states: list[mx.array]):

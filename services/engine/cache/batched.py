@@ -46,6 +46,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from kernels import pool_move
 from kernels.kv_format import LayerFormat
 
 from . import pool_rows
@@ -249,50 +250,77 @@ class BatchedKVCache:
                  "page_size": self.page_size, "read_pages": bucket_pages, "use_tail": self.use_tail}
         return [plan_window(w, starts, num_steps, padded, **shape) for w in self.windows]
 
-    def window_indices(self, plans: Sequence[WindowIndex], starts: np.ndarray) -> list[list[list[mx.array]]]:
-        """Device index arrays of every step: `[step][window rule] -> decode_arrays` (one transfer).
+    def window_indices(self, plans: Sequence[WindowIndex], starts: np.ndarray) -> WindowArrays:
+        """A window's device index arrays, every one a contiguous slice of one upload (`WindowArrays`).
 
-        Each is a contiguous slice of the one upload, in device memory: an integer index would be a gather
-        kernel, and a one-row batch's lengths and positions (4 bytes) would land in MLX's small managed pool in
-        host memory, read by every attention and q/k/v block (`ops/results/index_slices_gpu_2026-12-04.json`).
+        One upload: MLX places an array built from host data in managed memory, which moves to the GPU at
+        the first kernel that reads it (a page fault: ~0.1 ms of that kernel on an H200, where the tail move's
+        launch took 112-152 us with an upload of its own, `ops/results/tail_moves_gpu_2026-12-04.json`), so the
+        steps' indices and both tail moves' rows share one move. Slices, not rows taken by an integer index:
+        that would be a gather kernel, and a one-row batch's 4-byte lengths and positions would land in MLX's
+        small pool in host memory, read by every attention and q/k/v block across the bus
+        (`ops/results/index_slices_gpu_2026-12-04.json`).
         """
         num_steps = plans[0].lengths.shape[0]
         offsets = (starts[None, :] + np.arange(num_steps)[:, None]).astype(np.int32)
         parts = [offsets] + [a for p in plans for a in (p.write_rows, p.page_table, p.lengths)]
-        packed = mx.array(np.concatenate([a.reshape(-1) for a in parts]))
+        parts += [a for p in plans for a in (p.main_rows[p.copy_in], p.tail_rows[p.copy_in], p.tail_rows, p.main_rows)]
+        packed = mx.array(np.concatenate([a.reshape(-1).astype(np.int32) for a in parts]))
         bounds = np.cumsum([0] + [a.size for a in parts]).tolist()
+
+        def part(k: int) -> mx.array:
+            return packed[bounds[k] : bounds[k + 1]]
 
         def step_row(k: int, i: int) -> mx.array:  # row i of per-step part k, flat
             width = parts[k].size // num_steps
             return packed[bounds[k] + i * width : bounds[k] + (i + 1) * width]
 
-        tables = [packed[bounds[2 + 3 * g] : bounds[3 + 3 * g]].reshape(p.page_table.shape) for g, p in enumerate(plans)]
-        return [[[step_row(1 + 3 * g, i), tables[g], step_row(3 + 3 * g, i), step_row(0, i)] for g in range(len(plans))]
-                for i in range(num_steps)]
+        def move(k: int) -> tuple[mx.array, mx.array] | None:  # (source rows, target rows) of move parts k, k + 1
+            return (part(k), part(k + 1)) if parts[k].size else None
 
-    def copy_to_tail(self, plans: Sequence[WindowIndex]) -> None:
-        """Copy the pages a window writes into their tail pages (tokens from before it only; none without a tail)."""
-        moves = {w: (mx.array(p.main_rows[p.copy_in]), mx.array(p.tail_rows[p.copy_in])) for w, p in zip(self.windows, plans)}
-        for layer, spec in enumerate(self.layers):
-            main_rows, tail_rows = moves[spec.window]
-            if main_rows.size:
-                self.tail.pools[layer] = pool_rows.move(self.storage.pools[layer], main_rows, self.tail.pools[layer],
-                                                        tail_rows)
+        rules = range(len(plans))
+        tables = [part(2 + 3 * g).reshape(p.page_table.shape) for g, p in zip(rules, plans)]
+        steps = [[[step_row(1 + 3 * g, i), tables[g], step_row(3 + 3 * g, i), step_row(0, i)] for g in rules]
+                 for i in range(num_steps)]
+        first = 1 + 3 * len(plans)
+        return WindowArrays(steps, [move(first + 4 * g) for g in rules], [move(first + 4 * g + 2) for g in rules])
 
-    def copy_from_tail(self, plans: Sequence[WindowIndex]) -> None:
+    def copy_to_tail(self, arrays: WindowArrays) -> None:
+        """Copy the pages a window writes into their tail pages (tokens from before it only; none without a tail).
+
+        On CUDA one launch per window rule moves every layer's rows in place (`kernels.pool_move`), evaluated
+        here on its own, so the stream runs it after what came before and before the window's steps.
+        """
+        self._move_pages(arrays.to_tail, to_tail=True)
+
+    def copy_from_tail(self, arrays: WindowArrays) -> None:
         """Copy a finished window's tail pages back to their pages (in place: nothing may still read them).
 
-        Evaluate it apart from the window's steps (the runner does, after waiting for them): a lean CUDA
+        Call it with nothing in flight (the runner does, after waiting for the window): a lean CUDA
         step writes the tail in place (`kernels.qkv_rope.split_qkv_rope_store`), which MLX does not see,
-        so a copy evaluated in the same graph as that step would not be ordered after its write.
+        so a copy evaluated in the same graph as that step would not be ordered after its write. On CUDA
+        the copy is one launch per window rule, in place (`kernels.pool_move`), evaluated here on its own:
+        a host read of a pool after it must wait for the stream (`mx.synchronize`).
         """
-        moves = {w: (mx.array(p.tail_rows), mx.array(p.main_rows)) for w, p in zip(self.windows, plans)}
-        for layer, spec in enumerate(self.layers):
-            tail_rows, main_rows = moves[spec.window]
-            if not main_rows.size:
+        self._move_pages(arrays.from_tail, to_tail=False)
+
+    def _move_pages(self, moves: Sequence[tuple[mx.array, mx.array] | None], *, to_tail: bool) -> None:
+        """Per window rule (`windows` order), rows `moves[rule][0]` of each of its layers' main (`to_tail`) or
+        tail pools into rows `moves[rule][1]` of the other (int32 [m] each; None: nothing to move)."""
+        for rule, rows in zip(self.windows, moves):
+            if rows is None:
                 continue
-            self.storage.pools[layer] = pool_rows.move(self.tail.pools[layer], tail_rows, self.storage.pools[layer],
-                                                       main_rows)
+            layers = [i for i, spec in enumerate(self.layers) if spec.window == rule]
+            main = [a for i in layers for a in self.storage.pools[i]]
+            tail = [a for i in layers for a in self.tail.pools[i]]
+            sources, targets = (main, tail) if to_tail else (tail, main)
+            if pool_move.serves(sources, targets):
+                mx.async_eval(pool_move.move_rows(sources, targets, *rows))
+                continue
+            into = self.tail if to_tail else self.storage
+            for i in layers:
+                pools = (self.storage.pools[i], self.tail.pools[i]) if to_tail else (self.tail.pools[i], self.storage.pools[i])
+                into.pools[i] = pool_rows.move(pools[0], rows[0], pools[1], rows[1])
 
     @property
     def tail_arrays(self) -> list[mx.array]:
@@ -364,3 +392,20 @@ class PagedBatch:
 
     layers: list
     prefetch: list[mx.array]
+
+
+@dataclass(frozen=True, slots=True)
+class WindowArrays:
+    """A decode window's device index arrays (`BatchedKVCache.window_indices`), all slices of one upload.
+
+    Attributes:
+        steps (list): `[step][window rule] -> [write rows, page table, lengths, positions]`, int32 (the plan's
+            `write_rows[i]`, `page_table`, `lengths[i]`, and each row's start + i).
+        to_tail (list): per window rule, (main rows, tail rows) int32 [m] of the pages' tokens held before the
+            window, or None where there are none.
+        from_tail (list): per window rule, (tail rows, main rows) int32 [m] of every tail page, or None.
+    """
+
+    steps: list[list[list[mx.array]]]
+    to_tail: list[tuple[mx.array, mx.array] | None]
+    from_tail: list[tuple[mx.array, mx.array] | None]
