@@ -8,11 +8,15 @@ same rows of every pool pair in one kernel: block row y takes pair y, its thread
 the moved rows' 4-byte words.
 
 In place, as `kernels.qkv_rope.split_qkv_rope_store`: MLX passes the targets as read-only inputs
-and still considers them unchanged. Sound only where every reader of the written rows is
-evaluated after the returned array (the window's steps, the next window) and no array evaluated
-with it reads them: the caller evaluates it on its own (`mx.async_eval`), so the CUDA stream
-orders it after what came before and before what comes after. Targets must be row-contiguous
-buffers that no other array shares (the tail and main pools are).
+and still considers them unchanged, so it orders nothing after the write. Sound only as
+`services.engine.cache.batched` uses it: the returned array is evaluated on its own
+(`mx.async_eval`), and MLX commits each evaluation's kernels as one CUDA graph on the default
+stream, so the copy runs after everything evaluated before it and before everything evaluated
+after it (within one graph MLX would link a reader only to the last *writer* of its inputs, and
+another stream or thread would not be ordered at all); no array evaluated together with it reads
+the targets; a host read of a target waits for the stream itself (`mx.synchronize`), as MLX
+sees nothing pending on the array; targets are row-contiguous buffers that no other array
+shares (the tail and main pools are); rows lie inside their pools (the window's plan).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import mlx.core as mx
 from kernels import cuda_kv
 
 _THREADS = 256
+MAX_PAIRS = 200  # pool pairs a launch takes: 16 bytes of kernel parameters each, under CUDA's 4 KB before 12.1
 
 _BODY = r"""
   // Pair p = blockIdx.y: rows dst[r] of target p take rows src[r] of source p, word by word.
@@ -46,9 +51,9 @@ _CASE = ("    case {p}: from = reinterpret_cast<const uint32_t*>(s{p}); "
 
 
 def serves(sources: Sequence[mx.array], targets: Sequence[mx.array]) -> bool:
-    """Whether `move_rows` runs here for these pools: MLX's CUDA backend is the default device and each
-    pair is two 2-D pools of one dtype and row width, a whole number of 4-byte words."""
-    return cuda_kv.is_available() and len(sources) == len(targets) > 0 and all(
+    """Whether `move_rows` runs here for these pools: MLX's CUDA backend is the default device, 1 to
+    `MAX_PAIRS` pairs, each two 2-D pools of one dtype and row width, a whole number of 4-byte words."""
+    return cuda_kv.is_available() and 0 < len(sources) == len(targets) <= MAX_PAIRS and all(
         s.ndim == t.ndim == 2 and s.dtype == t.dtype and s.shape[1] == t.shape[1]
         and (s.shape[1] * s.dtype.size) % 4 == 0 for s, t in zip(sources, targets))
 
@@ -60,7 +65,8 @@ def move_rows(sources: Sequence[mx.array], targets: Sequence[mx.array], source_r
     Args:
         sources, targets: Pairs of pools `[R, width]` (R may differ within a pair; dtype and width may differ
             between pairs), row-contiguous; targets written in place (module docstring).
-        source_rows, target_rows (mx.array): int32 [m] each, m >= 1; target rows distinct.
+        source_rows, target_rows (mx.array): int32 [m] each, m >= 1, inside every source / target pool (not
+            checked: the kernel would write out of bounds); target rows distinct.
 
     Returns:
         mx.array: int32 [1], unwritten: evaluate it (alone) to run the copy.

@@ -312,7 +312,7 @@ def split_qkv_rope_store(
     In place: MLX arrays are values, and this kernel writes into `pools`, which MLX passes it as read-only
     inputs and still considers unchanged. That is sound only as the decode window uses it
     (`services.engine.cache.decode_window`): the pools are row-contiguous buffers (MLX hands them over
-    uncopied; evaluated, or produced earlier in the same graph, as the window's tail copy) that their
+    uncopied: evaluated arrays, which the window's tail copy, `kernels.pool_move`, wrote in place before) that their
     owner keeps alive and no other array shares; every read of the written rows depends on the
     returned q (the step's attention) or comes in a later evaluation (the copy back to the main pages
     does); and nothing evaluated together with this launch reads those rows without such a dependency

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kernels import cuda_kv
 from services.engine.cache import CacheOptions, Window, make_layer_caches
 from services.engine.cache.pages import LayerBudget, SlotTable
 from services.engine.cache.schemes import SCHEMES
@@ -160,9 +161,16 @@ def test_an_abort_taken_in_between_a_read_back_and_the_next_launch_is_not_launch
         core.launch()
 
 
-def test_mixed_full_and_sliding_layers_in_the_engine():
+@pytest.mark.parametrize("tail", [False, True], ids=["main-pools", "tail-pool"])
+def test_mixed_full_and_sliding_layers_in_the_engine(tail, monkeypatch):
+    """Two window rules: each rule's pages written, and on the GPU's path moved into the tail pool and back."""
     model = make_tiny_mixed_llama(vocab=VOCAB)
-    core = make_core(tiny_loaded(model), page_size=4)
+    if cuda_kv.is_available() and not tail:
+        pytest.skip("an engine on the GPU always writes a tail pool")
+    with monkeypatch.context() as patch:  # BatchedKVCache takes the tail path off the CPU
+        patch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu if tail else mx.cpu, 0))
+        core = make_core(tiny_loaded(model), page_size=4)
+    assert core.cache.use_tail == tail
     prompts, max_tokens = random_prompts([3, 20, 9, 1], seed=12), [14, 9, 12, 16]
     arrivals = {i: [Request(f"r{i}", prompts[i], SamplingParams(max_tokens=max_tokens[i]))] for i in range(4)}
     results = drive(core, arrivals)

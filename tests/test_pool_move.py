@@ -11,6 +11,7 @@ from services.engine.cache import CacheOptions
 from services.engine.cache.batched import BatchedKVCache
 from tests.batching_helpers import make_tiny_mixed_llama
 
+move_rows = pool_move.move_rows
 needs_cuda = pytest.mark.skipif(not cuda_kv.is_available(), reason="the kernel runs on MLX's CUDA backend")
 
 
@@ -83,6 +84,8 @@ def test_a_windows_tail_moves_copy_the_planned_rows_of_every_layer(scheme, monke
     main, tail = read(cache.arrays), read(cache.tail_arrays)
     rules = [cache.windows.index(spec.window) for i, spec in enumerate(cache.layers) for _ in cache.storage.pools[i]]
     assert any(p.copy_in.any() for p in plans) and any((~p.copy_in).any() for p in plans)
+    launches = []
+    monkeypatch.setattr(pool_move, "move_rows", lambda *args: launches.append(args) or move_rows(*args))
 
     cache.copy_to_tail(arrays)
     mx.synchronize()  # MLX does not see the in-place write: a host read waits for the stream itself
@@ -100,3 +103,5 @@ def test_a_windows_tail_moves_copy_the_planned_rows_of_every_layer(scheme, monke
         m[plans[rule].main_rows] = t[plans[rule].tail_rows]
     for got, want in zip(read(cache.arrays) + read(cache.tail_arrays), main + tail):
         np.testing.assert_array_equal(got, want)
+    moving = sum(p.copy_in.any() for p in plans) + sum(p.tail_rows.size > 0 for p in plans)
+    assert len(launches) == (moving if cuda_kv.is_available() else 0)  # one launch per rule and direction on CUDA

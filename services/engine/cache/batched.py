@@ -193,7 +193,11 @@ class BatchedKVCache:
 
     @property
     def arrays(self) -> list[mx.array]:
-        """Every page pool array (evaluate them after each forward so the graph stays short)."""
+        """Every page pool array (evaluate them after each forward so the graph stays short).
+
+        On CUDA a decode window's tail moves write them in place, unseen by MLX (`copy_from_tail`): read
+        one on the host only after `mx.synchronize()`.
+        """
         return self.storage.arrays
 
     def replace_arrays(self, arrays: Sequence[mx.array]) -> None:
@@ -253,10 +257,10 @@ class BatchedKVCache:
     def window_indices(self, plans: Sequence[WindowIndex], starts: np.ndarray) -> WindowArrays:
         """A window's device index arrays, every one a contiguous slice of one upload (`WindowArrays`).
 
-        One upload: MLX places an array built from host data in managed memory, which moves to the GPU at
-        the first kernel that reads it (a page fault: ~0.1 ms of that kernel on an H200, where the tail move's
-        launch took 112-152 us with an upload of its own, `ops/results/tail_moves_gpu_2026-12-04.json`), so the
-        steps' indices and both tail moves' rows share one move. Slices, not rows taken by an integer index:
+        One upload: MLX places an array built from host data in managed memory, which the GPU reads from
+        host memory or takes over at a page fault; each upload's first reader pays for that (the tail move's
+        launch took 81-152 us for a few KB, `ops/results/tail_moves_gpu_2026-12-04.json`: the likely cause,
+        not yet verified), so the steps' indices and both tail moves' rows share one. Slices, not rows taken by an integer index:
         that would be a gather kernel, and a one-row batch's 4-byte lengths and positions would land in MLX's
         small pool in host memory, read by every attention and q/k/v block across the bus
         (`ops/results/index_slices_gpu_2026-12-04.json`).
@@ -314,8 +318,12 @@ class BatchedKVCache:
             main = [a for i in layers for a in self.storage.pools[i]]
             tail = [a for i in layers for a in self.tail.pools[i]]
             sources, targets = (main, tail) if to_tail else (tail, main)
-            if pool_move.serves(sources, targets):
-                mx.async_eval(pool_move.move_rows(sources, targets, *rows))
+            chunks = range(0, len(sources), pool_move.MAX_PAIRS)
+            if all(pool_move.serves(sources[k : k + pool_move.MAX_PAIRS], targets[k : k + pool_move.MAX_PAIRS])
+                   for k in chunks):
+                for k in chunks:  # each evaluated alone (kernels.pool_move)
+                    mx.async_eval(pool_move.move_rows(sources[k : k + pool_move.MAX_PAIRS],
+                                                      targets[k : k + pool_move.MAX_PAIRS], *rows))
                 continue
             into = self.tail if to_tail else self.storage
             for i in layers:
