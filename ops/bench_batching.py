@@ -138,6 +138,7 @@ def step_breakdown(loaded: LoadedModel, batch: int, page_size: int, steps: int =
     two H200 breakdowns' 9-11 ms steps at batch 8).
     """
     from services.engine import runner as runner_module
+    from services.engine.cache import batched as cache_module  # evaluates a window's tail moves (CUDA)
 
     max_tokens = page_size * (steps + 6)
     core = EngineCore(loaded, CacheOptions(max_context=4096), capacity_tokens=batch * (64 + max_tokens + 2 * page_size),
@@ -169,7 +170,7 @@ def step_breakdown(loaded: LoadedModel, batch: int, page_size: int, steps: int =
     core.cache.plan_window = timed("plan_window", core.cache.plan_window)
     proxy = SimpleNamespace(**{k: getattr(mx, k) for k in dir(mx) if not k.startswith("__")})
     proxy.synchronize, proxy.async_eval = timed("wait", mx.synchronize), timed("launch", mx.async_eval)
-    runner_module.mx = proxy
+    runner_module.mx = cache_module.mx = proxy
     tokens = 0
     try:
         t0 = time.perf_counter()
@@ -177,7 +178,7 @@ def step_breakdown(loaded: LoadedModel, batch: int, page_size: int, steps: int =
             tokens += sum(len(out.new_token_ids) for out in core.step())
         total = time.perf_counter() - t0
     finally:
-        runner_module.mx = mx
+        runner_module.mx = cache_module.mx = mx
     per_token = {name: round(t / tokens * 1e3 * batch, 4) for name, t in spent.items()}
     per_token["other"] = round((total - sum(spent.values())) / tokens * 1e3 * batch, 4)
     return {"ms_per_decode_step": round(total / tokens * batch * 1e3, 3), "tokens": tokens} | per_token
