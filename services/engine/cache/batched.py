@@ -257,10 +257,10 @@ class BatchedKVCache:
     def window_indices(self, plans: Sequence[WindowIndex], starts: np.ndarray) -> WindowArrays:
         """A window's device index arrays, every one a contiguous slice of one upload (`WindowArrays`).
 
-        One upload: MLX places an array built from host data in managed memory, which the GPU reads from
-        host memory or takes over at a page fault; each upload's first reader pays for that (the tail move's
-        launch took 81-152 us for a few KB, `ops/results/tail_moves_gpu_2026-12-04.json`: the likely cause,
-        not yet verified), so the steps' indices and both tail moves' rows share one. Slices, not rows taken by an integer index:
+        One upload: MLX places an array built from host data in managed memory, which the GPU reads from host
+        memory or takes over at a page fault, so the steps' indices and both tail moves' rows share one (the
+        tail move's launch still takes 81-104 us for a few KB, likely reading its rows from host memory; not
+        verified, `ops/results/tail_moves_gpu_2026-12-04.json`). Slices, not rows taken by an integer index:
         that would be a gather kernel, and a one-row batch's 4-byte lengths and positions would land in MLX's
         small pool in host memory, read by every attention and q/k/v block across the bus
         (`ops/results/index_slices_gpu_2026-12-04.json`).
@@ -325,10 +325,9 @@ class BatchedKVCache:
                     mx.async_eval(pool_move.move_rows(sources[k : k + pool_move.MAX_PAIRS],
                                                       targets[k : k + pool_move.MAX_PAIRS], *rows))
                 continue
-            into = self.tail if to_tail else self.storage
+            source, target = (self.storage, self.tail) if to_tail else (self.tail, self.storage)
             for i in layers:
-                pools = (self.storage.pools[i], self.tail.pools[i]) if to_tail else (self.tail.pools[i], self.storage.pools[i])
-                into.pools[i] = pool_rows.move(pools[0], rows[0], pools[1], rows[1])
+                target.pools[i] = pool_rows.move(source.pools[i], rows[0], target.pools[i], rows[1])
 
     @property
     def tail_arrays(self) -> list[mx.array]:
