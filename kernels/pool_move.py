@@ -74,15 +74,15 @@ def move_rows(sources: Sequence[mx.array], targets: Sequence[mx.array], source_r
     Raises:
         ValueError: a pair `serves` refuses, or row indices of another dtype or shape.
     """
-    if not serves(sources, targets):
-        raise ValueError("move_rows needs MLX's CUDA backend and pairs of 2-D pools of one dtype and width "
-                         "(whole 4-byte words); got "
-                         f"{[(s.dtype, s.shape, t.dtype, t.shape) for s, t in zip(sources, targets)]}")
     m = source_rows.size
     if not (source_rows.dtype == target_rows.dtype == mx.int32 and source_rows.shape == target_rows.shape == (m,)
             and m > 0):
         raise ValueError(f"rows must be int32 [m], m >= 1, alike; got {source_rows.dtype} {source_rows.shape}, "
                          f"{target_rows.dtype} {target_rows.shape}")
+    if not serves(sources, targets):
+        raise ValueError("move_rows needs MLX's CUDA backend and pairs of 2-D pools of one dtype and width "
+                         "(whole 4-byte words); got "
+                         f"{[(s.dtype, s.shape, t.dtype, t.shape) for s, t in zip(sources, targets)]}")
     words = tuple(s.shape[1] * s.dtype.size // 4 for s in sources)
     blocks = min(-(-m * max(words) // _THREADS), 1024)
     (done,) = _kernel(words)(inputs=[*sources, *targets, source_rows, target_rows],

@@ -318,12 +318,11 @@ class BatchedKVCache:
             main = [a for i in layers for a in self.storage.pools[i]]
             tail = [a for i in layers for a in self.tail.pools[i]]
             sources, targets = (main, tail) if to_tail else (tail, main)
-            chunks = range(0, len(sources), pool_move.MAX_PAIRS)
-            if all(pool_move.serves(sources[k : k + pool_move.MAX_PAIRS], targets[k : k + pool_move.MAX_PAIRS])
-                   for k in chunks):
-                for k in chunks:  # each evaluated alone (kernels.pool_move)
-                    mx.async_eval(pool_move.move_rows(sources[k : k + pool_move.MAX_PAIRS],
-                                                      targets[k : k + pool_move.MAX_PAIRS], *rows))
+            step = pool_move.MAX_PAIRS
+            launches = [(sources[k : k + step], targets[k : k + step]) for k in range(0, len(sources), step)]
+            if all(pool_move.serves(*pairs) for pairs in launches):
+                for pairs in launches:  # each evaluated alone (kernels.pool_move)
+                    mx.async_eval(pool_move.move_rows(*pairs, *rows))
                 continue
             source, target = (self.storage, self.tail) if to_tail else (self.tail, self.storage)
             for i in layers:
