@@ -831,8 +831,8 @@ COMBINE = r"""
 def compact(source: str) -> str:
     """CUDA `source` without `//` comments (outside string literals), indentation or blank lines.
 
-    MLX hashes a custom kernel's whole source at every launch (`CustomKernel::eval_gpu`, to name its
-    module), so the bytes a decode step hands it are host time: comments are a third of a kernel's.
+    Comments are a third of a kernel's text; `kernels.cuda_kv.custom_kernel` writes the compacted text to
+    the file it includes (MLX hashes what it is handed at every launch, so it is handed an `#include` line).
     Line structure stays (a `#pragma` keeps its own line); the compiled code is the same.
 
     Raises:

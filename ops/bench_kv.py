@@ -130,7 +130,9 @@ def decode_rate(core, requests, warmup: int, host: dict | None = None) -> float:
     """Aggregate decode tokens/s after every stream has `warmup` tokens (prefill and warm-up excluded).
 
     `host` (optional) receives, over the timed part, the seconds the host spent building and launching
-    steps (`launch_s`: `ModelRunner.run`) and waiting for them (`wait_s`: `ModelRunner.collect`).
+    steps (`launch_s`: `ModelRunner.run`) and waiting for them (`wait_s`: `ModelRunner.collect`), and this
+    thread's CPU seconds (`thread_cpu_s`: MLX's waits for the GPU spin, so it tracks the wall time; it is not
+    the host's work alone).
     """
     for request in requests:
         core.add_request(request)
@@ -155,13 +157,13 @@ def decode_rate(core, requests, warmup: int, host: dict | None = None) -> float:
                 if start is not None:
                     tokens += len(out.new_token_ids)
             if start is None and min(counts.values()) >= warmup:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 spent.update(launch_s=0.0, wait_s=0.0)
     finally:
         runner.run, runner.collect = run, collect
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
     if host is not None:
-        host.update({k: round(v, 4) for k, v in spent.items()}, timed_s=round(seconds, 4))
+        host.update({k: round(v, 4) for k, v in spent.items()}, timed_s=round(seconds, 4), thread_cpu_s=round(cpu, 4))
     return tokens / seconds
 
 
@@ -209,7 +211,9 @@ def run_decode(loaded, args) -> list[dict]:
             row = {**row, "peak_memory_bytes": max(r["peak_memory_bytes"] for r in done),
                    "peak_over_weights_bytes": max(r["peak_over_weights_bytes"] for r in done),
                    "runs_tokens_per_s": [round(r["decode_tokens_per_s"], 1) for r in done],
-                   "runs_launch_share": [round(r["host"]["launch_s"] / r["host"]["timed_s"], 3) for r in done]}
+                   "runs_launch_share": [round(r["host"]["launch_s"] / r["host"]["timed_s"], 3) for r in done],
+                   "runs_thread_cpu_us_per_token": [round(r["host"]["thread_cpu_s"] / r["host"]["timed_s"]
+                                                          / r["decode_tokens_per_s"] * 1e6, 1) for r in done]}
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.interleave:

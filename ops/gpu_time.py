@@ -4,8 +4,9 @@ MLX has no GPU timer, so this borrows PyTorch's profiler (CUPTI activity records
 kernel of the process, MLX's included). It drives `EngineCore` over random-weight streams, then
 reports per decode step the GPU's busy time (kernels, overlaps merged), the span from first to
 last kernel, the idle gaps between kernels by length, and kernel time by name (with deciles of a call's time: a name's calls from prefill
-and from decode differ in size). Host activity is recorded too, which slows the host: compare
-busy time with an unprofiled run's wall time per step. Busy close to the wall time per step means the step is
+and from decode differ in size), and the host's CUDA runtime and driver calls by name (count and host
+time per step: graph building, updates and launches). Host activity is recorded too, which slows the
+host: compare busy time with an unprofiled run's wall time per step. Busy close to the wall time per step means the step is
 bound by GPU execution, not by the host's launches.
 
 Needs PyTorch with CUDA next to MLX's CUDA backend (PyTorch is not a buttermilk dependency):
@@ -120,9 +121,9 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
     timed = run()
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if host_trace else [ProfilerActivity.CUDA]
     with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         rate = timed()
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     by_name = collections.defaultdict(list)  # kernel name -> each call's µs
     for e in kernels:
@@ -131,15 +132,23 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
     busy, span = busy_us(spans), max(e for _, e in spans) - min(s for s, _ in spans)
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     tokens = tokens + CONTEXT_WARMUP if context else tokens  # steps profiled (with context, the warm-up's too)
+    host = collections.defaultdict(list)  # CUDA runtime / driver call -> each call's host µs (CUPTI)
+    for e in prof.events():
+        if e.device_type.name == "CPU":
+            host[e.name[:80]].append(e.cpu_time_total)
     return {"tok_s": round(rate, 1), "wall_s": round(wall, 4), "kernels": len(kernels),
             "gpu_busy_us": round(busy, 1), "gpu_span_us": round(span, 1),
             "per_step_busy_us": round(busy / tokens, 1), "per_step_span_us": round(span / tokens, 1),
+            "per_step_thread_cpu_us": round(cpu / tokens * 1e6, 1),  # this thread's CPU (MLX's eval, and its waits, which spin)
             "kernels_per_step": round(len(kernels) / tokens, 1),
             "idle_gaps_us": {name: [n / tokens, round(us / tokens, 1)] for name, (n, us) in idle_gaps(spans).items()},
             "top": [{"name": name, "count": len(us), "us_total": round(sum(us), 1),
                      "us_per_step": round(sum(us) / tokens, 2), "us_median": round(statistics.median(us), 2),
                      "us_deciles": [round(x, 1) for x in statistics.quantiles(us, n=10)] if len(us) > 1 else us,
-                     "us_max": round(max(us), 1)} for name, us in ranked]}
+                     "us_max": round(max(us), 1)} for name, us in ranked],
+            "host_calls": {name: {"per_step": round(len(us) / tokens, 1), "us_per_step": round(sum(us) / tokens, 1),
+                                  "us_median": round(statistics.median(us), 2)}
+                           for name, us in sorted(host.items(), key=lambda kv: -sum(kv[1]))[:16]}}
 
 
 def main() -> None:

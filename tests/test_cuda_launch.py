@@ -239,3 +239,54 @@ def test_codec_constants_put_each_parts_table_where_the_kernels_read_it(key_aura
         np.testing.assert_array_equal(got[2 * d : 2 * d + kt], cuda_kv.search_table(key.bits))
     if value_aura:
         np.testing.assert_array_equal(got[2 * d + kt :], cuda_kv.search_table(value.bits))
+
+
+def _included_text(line: str) -> str:
+    """The text of the file an `#include "path"` line names."""
+    match = re.fullmatch(r'#include "([^"]+)"\n', line)
+    assert match, line
+    with open(match.group(1)) as f:
+        return f.read()
+
+
+def test_custom_kernel_hands_mlx_include_lines_of_the_compacted_text(monkeypatch, tmp_path):
+    monkeypatch.setenv("BUTTERMILK_CUDA_SOURCE_DIR", str(tmp_path))
+    cuda_kv.source_dir.cache_clear()
+    seen = {}
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: seen.update(kw))
+    body = "  // the row\n  int n = kp_shape[0] + q_ndim;  // lengths\n  out[0] = fwht_warp(n, 1);\n"
+    header = "__device__ int extra(int x) { return x; }  // own helper\n"
+    try:
+        cuda_kv.custom_kernel("bm_probe", body, header, input_names=["q", "p", "kp"], output_names=["out"])
+    finally:
+        cuda_kv.source_dir.cache_clear()
+    first, listed = seen["source"].split("\n", 1)
+    assert _included_text(first + "\n") == cuda_source.compact(body)
+    assert _included_text(seen["header"]) == cuda_source.kernel_header(header + body) + cuda_source.compact(header)
+    # MLX passes an input's shape, strides or ndim where the source it is given holds `<name>_shape` ...: as before
+    for name in ("q", "p", "kp"):
+        for part in ("_shape", "_strides", "_ndim"):
+            assert (name + part in seen["source"]) == (name + part in body), name + part
+    assert listed == "// q_ndim p_shape kp_shape\n" and len(seen["source"]) < 150  # MLX's test is a substring's
+
+
+def test_source_files_are_named_by_content_and_inline_where_no_folder_serves(monkeypatch, tmp_path):
+    monkeypatch.setattr(cuda_kv, "source_dir", lambda: tmp_path)
+    a, b = cuda_kv.source_file("int a;\n"), cuda_kv.source_file("int b;\n")
+    assert a != b and cuda_kv.source_file("int a;\n") == a and _included_text(b) == "int b;\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(re.findall(r"bm_\w+\.cuh", a + b))  # no temporaries
+    monkeypatch.setattr(cuda_kv, "source_dir", lambda: None)
+    assert cuda_kv.source_file("int a;\n") == "int a;\n" and cuda_kv.source_file("") == ""
+
+
+def test_source_dir_skips_a_folder_it_cannot_write_or_quote(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the folder would be: mkdir fails
+    monkeypatch.setenv("BUTTERMILK_CUDA_SOURCE_DIR", str(blocked / "sub"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / 'a"b'))  # a quote: no include line can name it
+    monkeypatch.setattr(cuda_kv.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    cuda_kv.source_dir.cache_clear()
+    try:
+        assert cuda_kv.source_dir() == tmp_path / "tmp" / "buttermilk-cuda"
+    finally:
+        cuda_kv.source_dir.cache_clear()

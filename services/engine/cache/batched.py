@@ -257,10 +257,10 @@ class BatchedKVCache:
     def window_indices(self, plans: Sequence[WindowIndex], starts: np.ndarray) -> WindowArrays:
         """A window's device index arrays, every one a contiguous slice of one upload (`WindowArrays`).
 
-        One upload: MLX places an array built from host data in managed memory, which the GPU reads from host
-        memory or takes over at a page fault, so the steps' indices and both tail moves' rows share one (the
-        tail move's launch still takes 81-104 us for a few KB, likely reading its rows from host memory; not
-        verified, `ops/results/tail_moves_gpu_2026-12-04.json`). Slices, not rows taken by an integer index:
+        One upload: MLX places an array built from host data in managed memory, which the GPU takes over at a
+        page fault, so the steps' indices and both tail moves' rows share one, and one fault a window (44-154 us
+        on the H200, paid by the first kernel to read the upload: the tail move's launch, which copies its rows
+        in ~3 us; `ops/results/host_cost_gpu_2026-12-04.json`). Slices, not rows taken by an integer index:
         that would be a gather kernel, and a one-row batch's 4-byte lengths and positions would land in MLX's
         small pool in host memory, read by every attention and q/k/v block across the bus
         (`ops/results/index_slices_gpu_2026-12-04.json`).
