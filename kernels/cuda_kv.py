@@ -61,11 +61,12 @@ def decode_encode_warps(fmt: LayerFormat, head_dim: int) -> tuple[int, int]:
 def custom_kernel(name: str, source: str, header: str = "", **io):
     """`mx.fast.cuda_kernel` with only the `HEADER` helpers `source` (and `header`) call, both compacted
     (`kernels.cuda_source.kernel_header`, `compact`) and handed to MLX as `#include` lines of files
-    (`source_file`). MLX hashes a kernel's whole source at every launch to name its module
-    (`CustomKernel::eval_gpu`, ~7 GB/s): ~0.4 MB a one-row llama-1b decode step inline, ~60 us of the
-    host's time a step; a line naming a file costs nothing, and NVRTC reads the file once, at the compile.
-    Each `<input>_shape` / `_strides` / `_ndim` the body names is also listed in a comment of the source:
-    MLX passes those only to a kernel whose source text holds them.
+    (`source_file`). MLX hashes the source it is handed at every launch to name its module
+    (`CustomKernel::eval_gpu`): inline, ~0.45 MB a one-row llama-1b decode step, an estimated ~60 us of the
+    host's time a step at the 7.3 GB/s `std::hash` runs on an EPYC core; as include lines, a few hundred
+    bytes a kernel (its signature and MLX's default header remain). NVRTC reads the files once, at the compile.
+    Each `<input>_shape` / `_strides` / `_ndim` the body holds is also listed in a comment of the source:
+    MLX passes those to a kernel whose source text holds them (a substring search of that text only).
     `io`: the other keyword arguments of `mx.fast.cuda_kernel` (input and output names, ...).
 
     Raises:
@@ -73,47 +74,72 @@ def custom_kernel(name: str, source: str, header: str = "", **io):
     """
     body = compact(source)
     helpers = kernel_header(header + source) + compact(header)
-    names = [f"{n}{part}" for n in io.get("input_names", ()) for part in ("_shape", "_strides", "_ndim")]
-    used = [n for n in names if n in body]
+    used = [n + part for n in io.get("input_names", ()) for part in SHAPE_PARTS if n + part in body]
     listed = f"// {' '.join(used)}\n" if used else ""
     return mx.fast.cuda_kernel(name=name, source=source_file(body) + listed, header=source_file(helpers), **io)
 
 
+SHAPE_PARTS = ("_shape", "_strides", "_ndim")  # what MLX looks for in a source, after an input's name
+
+
 def source_file(text: str) -> str:
-    """An `#include` line of a file holding `text`, named by its content's hash (so a changed text is another
-    file, another source, and MLX compiles it anew instead of reusing its cached PTX); `text` itself where
-    no directory of `source_dir` can be written. Empty text: empty."""
+    """An `#include` line of a file holding `text`, named by its content's hash (a changed text is another
+    file, so another source, and MLX compiles it anew); `text` itself where no folder of `source_dir` serves
+    or the file cannot be written. A file already there is read back and rewritten unless it holds `text`.
+    Empty text: empty."""
     folder = source_dir()
     if not text or folder is None:
         return text
     path = folder / f"bm_{hashlib.sha256(text.encode()).hexdigest()[:32]}.cuh"
-    if not path.exists():  # written whole, then renamed: engines in other processes may read it meanwhile
-        temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        temp.write_text(text)
-        os.replace(temp, path)
+    try:
+        if not (path.is_file() and path.read_text() == text):
+            fd, temp = tempfile.mkstemp(dir=folder, prefix=path.name, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                os.replace(temp, path)  # whole or absent: other engines may read it meanwhile
+            finally:
+                if os.path.exists(temp):
+                    os.unlink(temp)
+    except (OSError, UnicodeDecodeError):
+        return text
     return f'#include "{path}"\n'
 
 
 @functools.cache
 def source_dir() -> Path | None:
     """Where `source_file` writes: `$BUTTERMILK_CUDA_SOURCE_DIR`, else `$XDG_CACHE_HOME/buttermilk/cuda` (default
-    `~/.cache`), else the temporary directory's `buttermilk-cuda`; the first that can be created and written
-    and whose path an `#include` line can quote. None: none can (kernels then carry their text inline)."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "buttermilk" / "cuda"
-    candidates = [os.environ.get("BUTTERMILK_CUDA_SOURCE_DIR"), cache, Path(tempfile.gettempdir()) / "buttermilk-cuda"]
-    for folder in filter(None, candidates):
-        folder = Path(folder).absolute()
-        if '"' in str(folder) or "\\" in str(folder) or "\n" in str(folder):
+    `~/.cache`), else `buttermilk-cuda-<uid>` in the temporary directory: the first that can be created and
+    written, is owned by this user and writable by no one else (a kernel's text is code), and whose absolute
+    path an `#include` line can quote and MLX's shape search cannot misread. None: none serves (kernels then
+    carry their text inline)."""
+    for folder in _source_dir_candidates():
+        text = str(folder)
+        if any(c in text for c in '"\\\n') or any(part in text for part in SHAPE_PARTS):
             continue
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            probe = folder / f".probe.{os.getpid()}"
-            probe.write_text("")
-            probe.unlink()
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            info = folder.stat()
+            if info.st_uid != os.getuid() or info.st_mode & 0o022:
+                continue
+            with tempfile.TemporaryFile(dir=folder):
+                pass
         except OSError:
             continue
         return folder
     return None
+
+
+def _source_dir_candidates():
+    if os.environ.get("BUTTERMILK_CUDA_SOURCE_DIR"):
+        yield Path(os.environ["BUTTERMILK_CUDA_SOURCE_DIR"]).absolute()
+    try:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except RuntimeError:  # no $HOME and no passwd entry (a container's arbitrary user)
+        cache = None
+    if cache is not None:
+        yield (cache / "buttermilk" / "cuda").absolute()
+    yield Path(tempfile.gettempdir()).absolute() / f"buttermilk-cuda-{os.getuid()}"
 
 
 @functools.cache

@@ -4,8 +4,8 @@ MLX has no GPU timer, so this borrows PyTorch's profiler (CUPTI activity records
 kernel of the process, MLX's included). It drives `EngineCore` over random-weight streams, then
 reports per decode step the GPU's busy time (kernels, overlaps merged), the span from first to
 last kernel, the idle gaps between kernels by length, and kernel time by name (with deciles of a call's time: a name's calls from prefill
-and from decode differ in size), and the host's CUDA runtime and driver calls by name (count and host
-time per step: graph building, updates and launches). Host activity is recorded too, which slows the
+and from decode differ in size), and the host-side events CUPTI records, by name (count and host time
+per step: CUDA runtime and driver calls, such as graph updates and launches, and the profiler's own). Host activity is recorded too, which slows the
 host: compare busy time with an unprofiled run's wall time per step. Busy close to the wall time per step means the step is
 bound by GPU execution, not by the host's launches.
 
@@ -132,7 +132,7 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
     busy, span = busy_us(spans), max(e for _, e in spans) - min(s for s, _ in spans)
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     tokens = tokens + CONTEXT_WARMUP if context else tokens  # steps profiled (with context, the warm-up's too)
-    host = collections.defaultdict(list)  # CUDA runtime / driver call -> each call's host µs (CUPTI)
+    host = collections.defaultdict(list)  # host-side event (CUDA runtime / driver call, ...) -> each one's µs
     for e in prof.events():
         if e.device_type.name == "CPU":
             host[e.name[:80]].append(e.cpu_time_total)

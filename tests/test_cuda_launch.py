@@ -8,6 +8,7 @@ the launcher picks must fit. The bytes are recomputed here from the kernel sourc
 from __future__ import annotations
 
 import itertools
+import os
 import re
 
 import mlx.core as mx
@@ -249,25 +250,32 @@ def _included_text(line: str) -> str:
         return f.read()
 
 
-def test_custom_kernel_hands_mlx_include_lines_of_the_compacted_text(monkeypatch, tmp_path):
-    monkeypatch.setenv("BUTTERMILK_CUDA_SOURCE_DIR", str(tmp_path))
+@pytest.fixture
+def source_folder(monkeypatch, tmp_path):
+    """`source_dir` fresh, choosing `tmp_path / "src"` (through the environment variable) in this test."""
+    monkeypatch.setenv("BUTTERMILK_CUDA_SOURCE_DIR", str(tmp_path / "src"))
     cuda_kv.source_dir.cache_clear()
+    yield tmp_path / "src"
+    cuda_kv.source_dir.cache_clear()
+
+
+def test_custom_kernel_hands_mlx_include_lines_of_the_compacted_text(monkeypatch, source_folder):
     seen = {}
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: seen.update(kw))
-    body = "  // the row\n  int n = kp_shape[0] + q_ndim;  // lengths\n  out[0] = fwht_warp(n, 1);\n"
-    header = "__device__ int extra(int x) { return x; }  // own helper\n"
-    try:
-        cuda_kv.custom_kernel("bm_probe", body, header, input_names=["q", "p", "kp"], output_names=["out"])
-    finally:
-        cuda_kv.source_dir.cache_clear()
+    body = "  // the row, not v_shape\n  int n = kp_shape[0] + q_ndim;  // lengths\n  out[0] = fwht_warp(n, 1);\n"
+    header = "__device__ int extra(int x) { return x; }  // own helper, not q_strides\n"
+    cuda_kv.custom_kernel("bm_probe", body, header, input_names=["q", "p", "kp", "v"], output_names=["out"])
     first, listed = seen["source"].split("\n", 1)
+    assert first.startswith(f'#include "{source_folder}/')
     assert _included_text(first + "\n") == cuda_source.compact(body)
     assert _included_text(seen["header"]) == cuda_source.kernel_header(header + body) + cuda_source.compact(header)
-    # MLX passes an input's shape, strides or ndim where the source it is given holds `<name>_shape` ...: as before
-    for name in ("q", "p", "kp"):
+    # MLX passes an input's shape, strides or ndim where the source it is handed holds `<name>_shape` ...: the
+    # compiled body's names (a substring search: p_shape is in kp_shape), not a comment's, not the header's
+    compiled = cuda_source.compact(body)
+    for name in ("q", "p", "kp", "v"):
         for part in ("_shape", "_strides", "_ndim"):
-            assert (name + part in seen["source"]) == (name + part in body), name + part
-    assert listed == "// q_ndim p_shape kp_shape\n" and len(seen["source"]) < 150  # MLX's test is a substring's
+            assert (name + part in seen["source"]) == (name + part in compiled), name + part
+    assert listed == "// q_ndim p_shape kp_shape\n" and len(seen["source"]) < 150
 
 
 def test_source_files_are_named_by_content_and_inline_where_no_folder_serves(monkeypatch, tmp_path):
@@ -275,18 +283,65 @@ def test_source_files_are_named_by_content_and_inline_where_no_folder_serves(mon
     a, b = cuda_kv.source_file("int a;\n"), cuda_kv.source_file("int b;\n")
     assert a != b and cuda_kv.source_file("int a;\n") == a and _included_text(b) == "int b;\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(re.findall(r"bm_\w+\.cuh", a + b))  # no temporaries
+    assert cuda_kv.source_file("") == ""
+    path = re.search(r'"(.+)"', a).group(1)
+    with open(path, "w") as f:
+        f.write("int a")  # cut short (a crash before a rename would not do it, a full disk may)
+    assert cuda_kv.source_file("int a;\n") == a and _included_text(a) == "int a;\n"  # found wrong, rewritten
     monkeypatch.setattr(cuda_kv, "source_dir", lambda: None)
-    assert cuda_kv.source_file("int a;\n") == "int a;\n" and cuda_kv.source_file("") == ""
+    assert cuda_kv.source_file("int a;\n") == "int a;\n"
 
 
-def test_source_dir_skips_a_folder_it_cannot_write_or_quote(monkeypatch, tmp_path):
+def test_source_file_falls_back_to_inline_text_when_its_write_fails(monkeypatch, tmp_path):
+    monkeypatch.setattr(cuda_kv, "source_dir", lambda: tmp_path / "gone")  # removed after it was chosen
+    assert cuda_kv.source_file("int a;\n") == "int a;\n"
+
+
+def test_source_file_from_many_threads_at_once(monkeypatch, tmp_path):
+    import concurrent.futures
+
+    monkeypatch.setattr(cuda_kv, "source_dir", lambda: tmp_path)
+    texts = [f"int x{i % 4};\n" for i in range(64)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        lines = list(pool.map(cuda_kv.source_file, texts))
+    assert all(_included_text(line) == text for line, text in zip(lines, texts))
+    assert len(list(tmp_path.iterdir())) == 4
+
+
+def test_source_dir_takes_the_first_folder_that_serves(monkeypatch, tmp_path):
     blocked = tmp_path / "file"
-    blocked.write_text("")  # a file where the folder would be: mkdir fails
-    monkeypatch.setenv("BUTTERMILK_CUDA_SOURCE_DIR", str(blocked / "sub"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / 'a"b'))  # a quote: no include line can name it
-    monkeypatch.setattr(cuda_kv.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    blocked.write_text("")  # a file where a folder would be: mkdir fails
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # others may write there: a planted file would be compiled
+    temp = tmp_path / "tmp"
+    monkeypatch.setattr(cuda_kv.tempfile, "gettempdir", lambda: str(temp))
+    cases = [  # (BUTTERMILK_CUDA_SOURCE_DIR, XDG_CACHE_HOME) -> chosen
+        ((str(tmp_path / "env"), str(tmp_path / "xdg")), tmp_path / "env"),
+        ((None, str(tmp_path / "xdg")), tmp_path / "xdg" / "buttermilk" / "cuda"),
+        ((str(blocked / "sub"), str(tmp_path / 'a"b')), temp / f"buttermilk-cuda-{os.getuid()}"),  # a quote
+        ((str(shared), str(tmp_path / "k_shape")), temp / f"buttermilk-cuda-{os.getuid()}"),  # MLX would misread
+    ]
+    for (env, xdg), want in cases:
+        for key, value in (("BUTTERMILK_CUDA_SOURCE_DIR", env), ("XDG_CACHE_HOME", xdg)):
+            if value is None:
+                monkeypatch.delenv(key, raising=False)
+            else:
+                monkeypatch.setenv(key, value)
+        cuda_kv.source_dir.cache_clear()
+        try:
+            assert cuda_kv.source_dir() == want, (env, xdg)
+        finally:
+            cuda_kv.source_dir.cache_clear()
+
+
+def test_source_dir_without_a_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("BUTTERMILK_CUDA_SOURCE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(cuda_kv.Path, "home", classmethod(lambda cls: (_ for _ in ()).throw(RuntimeError("no home"))))
+    monkeypatch.setattr(cuda_kv.tempfile, "gettempdir", lambda: str(tmp_path))
     cuda_kv.source_dir.cache_clear()
     try:
-        assert cuda_kv.source_dir() == tmp_path / "tmp" / "buttermilk-cuda"
+        assert cuda_kv.source_dir() == tmp_path / f"buttermilk-cuda-{os.getuid()}"
     finally:
         cuda_kv.source_dir.cache_clear()
