@@ -108,11 +108,11 @@ def source_file(text: str) -> str:
 
 @functools.cache
 def source_dir() -> Path | None:
-    """Where `source_file` writes: `$BUTTERMILK_CUDA_SOURCE_DIR`, else `$XDG_CACHE_HOME/buttermilk/cuda` (default
-    `~/.cache`), else `buttermilk-cuda-<uid>` in the temporary directory: the first that can be created and
-    written, is owned by this user and writable by no one else (a kernel's text is code), and whose absolute
-    path an `#include` line can quote and MLX's shape search cannot misread. None: none serves (kernels then
-    carry their text inline)."""
+    """Where `source_file` writes: `cuda` in buttermilk's data folder (`$BUTTERMILK_DATA_DIR`, else
+    `~/.cache/buttermilk`), else `buttermilk-cuda-<uid>` in the temporary directory: the first that can be
+    created and written, is owned by this user and writable by no one else (a kernel's text is code), and whose
+    absolute path an `#include` line can quote and MLX's shape search cannot misread. None: none serves
+    (kernels then carry their text inline)."""
     for folder in _source_dir_candidates():
         text = str(folder)
         if any(c in text for c in '"\\\n') or any(part in text for part in SHAPE_PARTS):
@@ -130,16 +130,14 @@ def source_dir() -> Path | None:
     return None
 
 
-def _source_dir_candidates():
-    if os.environ.get("BUTTERMILK_CUDA_SOURCE_DIR"):
-        yield Path(os.environ["BUTTERMILK_CUDA_SOURCE_DIR"]).absolute()
+def _source_dir_candidates() -> list[Path]:
+    folders = []
     try:
-        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        data = Path(os.environ.get("BUTTERMILK_DATA_DIR") or "~/.cache/buttermilk").expanduser()
+        folders.append((data / "cuda").absolute())
     except RuntimeError:  # no $HOME and no passwd entry (a container's arbitrary user)
-        cache = None
-    if cache is not None:
-        yield (cache / "buttermilk" / "cuda").absolute()
-    yield Path(tempfile.gettempdir()).absolute() / f"buttermilk-cuda-{os.getuid()}"
+        pass
+    return folders + [Path(tempfile.gettempdir()).absolute() / f"buttermilk-cuda-{os.getuid()}"]
 
 
 @functools.cache

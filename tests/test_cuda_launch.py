@@ -7,6 +7,7 @@ the launcher picks must fit. The bytes are recomputed here from the kernel sourc
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import re
@@ -252,10 +253,10 @@ def _included_text(line: str) -> str:
 
 @pytest.fixture
 def source_folder(monkeypatch, tmp_path):
-    """`source_dir` fresh, choosing `tmp_path / "src"` (through the environment variable) in this test."""
-    monkeypatch.setenv("BUTTERMILK_CUDA_SOURCE_DIR", str(tmp_path / "src"))
+    """`source_dir` fresh, choosing `tmp_path / "data" / "cuda"` (buttermilk's data folder) in this test."""
+    monkeypatch.setenv("BUTTERMILK_DATA_DIR", str(tmp_path / "data"))
     cuda_kv.source_dir.cache_clear()
-    yield tmp_path / "src"
+    yield tmp_path / "data" / "cuda"
     cuda_kv.source_dir.cache_clear()
 
 
@@ -266,7 +267,8 @@ def test_custom_kernel_hands_mlx_include_lines_of_the_compacted_text(monkeypatch
     header = "__device__ int extra(int x) { return x; }  // own helper, not q_strides\n"
     cuda_kv.custom_kernel("bm_probe", body, header, input_names=["q", "p", "kp", "v"], output_names=["out"])
     first, listed = seen["source"].split("\n", 1)
-    assert first.startswith(f'#include "{source_folder}/')
+    digest = hashlib.sha256(cuda_source.compact(body).encode()).hexdigest()[:32]
+    assert first == f'#include "{source_folder}/bm_{digest}.cuh"'
     assert _included_text(first + "\n") == cuda_source.compact(body)
     assert _included_text(seen["header"]) == cuda_source.kernel_header(header + body) + cuda_source.compact(header)
     # MLX passes an input's shape, strides or ndim where the source it is handed holds `<name>_shape` ...: the
@@ -275,7 +277,7 @@ def test_custom_kernel_hands_mlx_include_lines_of_the_compacted_text(monkeypatch
     for name in ("q", "p", "kp", "v"):
         for part in ("_shape", "_strides", "_ndim"):
             assert (name + part in seen["source"]) == (name + part in compiled), name + part
-    assert listed == "// q_ndim p_shape kp_shape\n" and len(seen["source"]) < 150
+    assert listed == "// q_ndim p_shape kp_shape\n"
 
 
 def test_source_files_are_named_by_content_and_inline_where_no_folder_serves(monkeypatch, tmp_path):
@@ -312,33 +314,37 @@ def test_source_dir_takes_the_first_folder_that_serves(monkeypatch, tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("")  # a file where a folder would be: mkdir fails
     shared = tmp_path / "shared"
-    shared.mkdir(mode=0o777)
-    shared.chmod(0o777)  # others may write there: a planted file would be compiled
+    (shared / "cuda").mkdir(parents=True)
+    (shared / "cuda").chmod(0o777)  # others may write there: a planted file would be compiled
     temp = tmp_path / "tmp"
+    fallback = temp / f"buttermilk-cuda-{os.getuid()}"
     monkeypatch.setattr(cuda_kv.tempfile, "gettempdir", lambda: str(temp))
-    cases = [  # (BUTTERMILK_CUDA_SOURCE_DIR, XDG_CACHE_HOME) -> chosen
-        ((str(tmp_path / "env"), str(tmp_path / "xdg")), tmp_path / "env"),
-        ((None, str(tmp_path / "xdg")), tmp_path / "xdg" / "buttermilk" / "cuda"),
-        ((str(blocked / "sub"), str(tmp_path / 'a"b')), temp / f"buttermilk-cuda-{os.getuid()}"),  # a quote
-        ((str(shared), str(tmp_path / "k_shape")), temp / f"buttermilk-cuda-{os.getuid()}"),  # MLX would misread
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cases = [  # $BUTTERMILK_DATA_DIR -> chosen
+        (str(tmp_path / "data"), tmp_path / "data" / "cuda"),
+        (None, tmp_path / "home" / ".cache" / "buttermilk" / "cuda"),
+        ("", tmp_path / "home" / ".cache" / "buttermilk" / "cuda"),
+        (str(blocked / "sub"), fallback),
+        (str(tmp_path / 'a"b'), fallback),  # a quote: no include line can name it
+        (str(tmp_path / "k_shape"), fallback),  # MLX would pass k's shape to every kernel with an input k
+        (str(shared), fallback),
     ]
-    for (env, xdg), want in cases:
-        for key, value in (("BUTTERMILK_CUDA_SOURCE_DIR", env), ("XDG_CACHE_HOME", xdg)):
-            if value is None:
-                monkeypatch.delenv(key, raising=False)
-            else:
-                monkeypatch.setenv(key, value)
+    for env, want in cases:
+        if env is None:
+            monkeypatch.delenv("BUTTERMILK_DATA_DIR", raising=False)
+        else:
+            monkeypatch.setenv("BUTTERMILK_DATA_DIR", env)
         cuda_kv.source_dir.cache_clear()
         try:
-            assert cuda_kv.source_dir() == want, (env, xdg)
+            assert cuda_kv.source_dir() == want, env
         finally:
             cuda_kv.source_dir.cache_clear()
+    assert fallback.stat().st_mode & 0o077 == 0  # made for this user alone
 
 
 def test_source_dir_without_a_home(monkeypatch, tmp_path):
-    monkeypatch.delenv("BUTTERMILK_CUDA_SOURCE_DIR", raising=False)
-    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    monkeypatch.setattr(cuda_kv.Path, "home", classmethod(lambda cls: (_ for _ in ()).throw(RuntimeError("no home"))))
+    monkeypatch.delenv("BUTTERMILK_DATA_DIR", raising=False)
+    monkeypatch.setattr(cuda_kv.Path, "expanduser", lambda self: (_ for _ in ()).throw(RuntimeError("no home")))
     monkeypatch.setattr(cuda_kv.tempfile, "gettempdir", lambda: str(tmp_path))
     cuda_kv.source_dir.cache_clear()
     try:
