@@ -3,11 +3,13 @@
 MLX has no GPU timer, so this borrows PyTorch's profiler (CUPTI activity records cover every
 kernel of the process, MLX's included). It drives `EngineCore` over random-weight streams, then
 reports per decode step the GPU's busy time (kernels, overlaps merged), the span from first to
-last kernel, the idle gaps between kernels by length, and kernel time by name (with deciles of a call's time: a name's calls from prefill
-and from decode differ in size), and the host-side events CUPTI records, by name (count and host time
-per step: CUDA runtime and driver calls, such as graph updates and launches, and the profiler's own). Host activity is recorded too, which slows the
-host: compare busy time with an unprofiled run's wall time per step. Busy close to the wall time per step means the step is
-bound by GPU execution, not by the host's launches.
+last kernel, the idle gaps between kernels by length, kernel time by name (with deciles of a call's
+time: a name's calls from prefill and from decode differ in size), the host-side events CUPTI records,
+by name (count and host time per step: CUDA runtime and driver calls, such as graph updates and
+launches, and the profiler's own), and the main thread's CPU time (MLX's waits spin, so it counts them).
+Host activity is recorded too, which slows the host: compare busy time with an unprofiled run's wall
+time per step. Busy close to the wall time per step means the step is bound by GPU execution, not by
+the host's launches.
 
 Needs PyTorch with CUDA next to MLX's CUDA backend (PyTorch is not a buttermilk dependency):
 
@@ -139,7 +141,7 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
     return {"tok_s": round(rate, 1), "wall_s": round(wall, 4), "kernels": len(kernels),
             "gpu_busy_us": round(busy, 1), "gpu_span_us": round(span, 1),
             "per_step_busy_us": round(busy / tokens, 1), "per_step_span_us": round(span / tokens, 1),
-            "per_step_thread_cpu_us": round(cpu / tokens * 1e6, 1),  # this thread's CPU (MLX's eval, and its waits, which spin)
+            "per_step_thread_cpu_us": round(cpu / tokens * 1e6, 1),
             "kernels_per_step": round(len(kernels) / tokens, 1),
             "idle_gaps_us": {name: [n / tokens, round(us / tokens, 1)] for name, (n, us) in idle_gaps(spans).items()},
             "top": [{"name": name, "count": len(us), "us_total": round(sum(us), 1),

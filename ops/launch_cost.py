@@ -4,7 +4,9 @@ MLX hashes a custom kernel's whole source at every launch (`CustomKernel::eval_g
 hands it `#include` lines instead (`kernels.cuda_kv.source_file`). This launches one trivial kernel (one thread
 copies a float) `--launches` times, each evaluated with `mx.async_eval` (MLX builds and launches it, nothing waits),
 for sources of each `--sizes` bytes inline (the same code and a comment of that length) and as an include line, in
-alternating rounds; reports the median host µs per launch of each. Needs MLX's CUDA backend.
+alternating rounds; reports the median host µs per launch of each. Each call here also has MLX build the
+kernel's source string (a replayed `mx.compile` trace, as the engine's decode step, does not), so an inline
+source pays its length twice. Needs MLX's CUDA backend.
 
     python -m ops.launch_cost --sizes 2000,16000 --launches 4000 --rounds 5
 
