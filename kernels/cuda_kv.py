@@ -26,6 +26,7 @@ from kernels.cuda_mma import MMA_HEADER, PARTIAL_MMA
 from kernels.cuda_source import COMBINE, ENCODE, PARTIAL, compact, kernel_header
 from kernels.kv_format import AFFINE, AURA, RAW, LayerFormat, PartFormat
 from kernels.lloyd_max import lloyd_max_thresholds
+from shared.paths import data_dir
 
 MODES = {RAW: 0, AFFINE: 1, AURA: 2}
 NUM_SMS = 132  # H200; only sizes the split count
@@ -34,6 +35,7 @@ _STATIC_SHARED_BYTES = 48 * 1024  # a kernel's static shared memory at most (CUD
 _ENCODE_WARPS = 4  # warps per block of the encoder (`encode_warps` a vector part; `EW` in its source)
 _COMBINE_THREADS = 512  # the combine kernel's block at most (`NT` in its source)
 _MAX_SPLIT_PAGES = 256  # pages one split walks at most (its page ids sit in shared memory: `MAXPG`)
+SHAPE_PARTS = ("_shape", "_strides", "_ndim")  # what MLX looks for in a kernel's source, after an input's name
 _ONE_SPLIT_TOKENS, _ONE_SPLIT_BYTES = 768, 128 * 1024  # a few rows' short page tables: one split (`default_tuning`)
 
 
@@ -79,9 +81,6 @@ def custom_kernel(name: str, source: str, header: str = "", **io):
     return mx.fast.cuda_kernel(name=name, source=source_file(body) + listed, header=source_file(helpers), **io)
 
 
-SHAPE_PARTS = ("_shape", "_strides", "_ndim")  # what MLX looks for in a source, after an input's name
-
-
 def source_file(text: str) -> str:
     """An `#include` line of a file holding `text`, named by its content's hash (a changed text is another
     file, so another source, and MLX compiles it anew); `text` itself where no folder of `source_dir` serves
@@ -108,11 +107,11 @@ def source_file(text: str) -> str:
 
 @functools.cache
 def source_dir() -> Path | None:
-    """Where `source_file` writes: `cuda` in buttermilk's data folder (`$BUTTERMILK_DATA_DIR`, else
-    `~/.cache/buttermilk`), else `buttermilk-cuda-<uid>` in the temporary directory: the first that can be
-    created and written, is owned by this user and writable by no one else (a kernel's text is code), and whose
-    absolute path an `#include` line can quote and MLX's shape search cannot misread. None: none serves
-    (kernels then carry their text inline)."""
+    """Where `source_file` writes: `cuda` in buttermilk's data folder (`shared.paths.data_dir`), else
+    `buttermilk-cuda-<uid>` in the temporary directory: the first that can be created and written, is owned by
+    this user and writable by no one else (a kernel's text is code), and whose absolute path an `#include`
+    line can quote and MLX's shape search cannot misread. None: none serves (kernels then carry their text
+    inline)."""
     for folder in _source_dir_candidates():
         text = str(folder)
         if any(c in text for c in '"\\\n') or any(part in text for part in SHAPE_PARTS):
@@ -133,8 +132,7 @@ def source_dir() -> Path | None:
 def _source_dir_candidates() -> list[Path]:
     folders = []
     try:
-        data = Path(os.environ.get("BUTTERMILK_DATA_DIR") or "~/.cache/buttermilk").expanduser()
-        folders.append((data / "cuda").absolute())
+        folders.append((data_dir() / "cuda").absolute())
     except RuntimeError:  # no $HOME and no passwd entry (a container's arbitrary user)
         pass
     return folders + [Path(tempfile.gettempdir()).absolute() / f"buttermilk-cuda-{os.getuid()}"]

