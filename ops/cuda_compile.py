@@ -13,7 +13,8 @@ checks that code compiles and how heavy it is, not what it computes.
     python -m ops.cuda_compile --mlx-include /path/to/mlx-src -- tests/test_qkv_rope.py -k store
 
 runs the given pytest arguments under `compile_only()` (the GPU tests then take their CUDA branches),
-compiles what they launched and prints JSON (`--out` also writes it); exit status 1 if any unit failed.
+compiles what they launched and prints JSON (`--out` also writes it); exit status 1 if any unit failed or
+needs more registers at its launch's block size than an SM has.
 `--mlx-include` is a folder holding `mlx/backend/cuda/device/utils.cuh` (an MLX source checkout: the CUDA
 wheel carries these headers inside its library, not as files). Needs the CUDA toolkit's `nvcc` (12.8 or
 newer for sm_90a's features the tensor-core kernel uses). Not a test.
@@ -66,10 +67,12 @@ class Unit:
     Attributes:
         name (str): MLX's kernel name (`custom_kernel_<name>` and the template arguments).
         source (str): The whole translation unit.
+        threads (int): Threads of a block at its largest launch seen (0: not launched).
     """
 
     name: str
     source: str
+    threads: int = 0
 
 
 @dataclass
@@ -79,7 +82,10 @@ class Recorder:
     units: dict[str, Unit] = field(default_factory=dict)
 
     def add(self, unit: Unit) -> None:
-        self.units.setdefault(hashlib.sha256(unit.source.encode()).hexdigest(), unit)
+        key = hashlib.sha256(unit.source.encode()).hexdigest()
+        seen = self.units.get(key)
+        if seen is None or seen.threads < unit.threads:
+            self.units[key] = unit
 
 
 def kernel_source(name: str, header: str, source: str, input_names: list[str], inputs: list[mx.array],
@@ -128,8 +134,9 @@ def _fake_cuda_kernel(recorder: Recorder):
                                  f"for {output_names}")
             if any(t > 1024 for t in threadgroup) or threadgroup[0] * threadgroup[1] * threadgroup[2] > 1024:
                 raise ValueError(f"{name}: a block of {threadgroup} threads is over CUDA's 1,024")
-            recorder.add(kernel_source(name, header, source, list(input_names), list(inputs), list(output_names),
-                                       list(output_dtypes), list(template or [])))
+            unit = kernel_source(name, header, source, list(input_names), list(inputs), list(output_names),
+                                 list(output_dtypes), list(template or []))
+            recorder.add(Unit(unit.name, unit.source, threadgroup[0] * threadgroup[1] * threadgroup[2]))
             fill = 0 if init_value is None else init_value
             return [mx.full(tuple(shape), fill, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
 
@@ -168,18 +175,22 @@ def compile_only() -> Iterator[Recorder]:
 
 @dataclass(frozen=True, slots=True)
 class Compiled:
-    """What `nvcc` said of one unit: ok, and per ptxas's report registers, spill bytes (stores + loads) and
-    static shared memory (bytes); `error` the compiler's output where it failed."""
+    """What `nvcc` said of one unit: ok, and per ptxas's report registers (a thread's), spill bytes (stores +
+    loads) and static shared memory (bytes); `fits`: a block of the unit's threads gets its registers from one
+    SM's 65,536 (a warp's allocated in 256s), else its launch fails ("too many resources requested"); `error`
+    the compiler's output where it failed."""
 
     name: str
     ok: bool
     registers: int | None = None
     spill_bytes: int | None = None
     shared_bytes: int | None = None
+    fits: bool | None = None
     error: str = ""
 
 
-_PTXAS = re.compile(r"Used (\d+) registers.*?(?:(\d+) bytes smem)?")
+_PTXAS = re.compile(r"Used (\d+) registers")
+SM_REGISTERS = 65536  # 32-bit registers of an SM (H200, every GPU since compute capability 5.0)
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -199,10 +210,16 @@ def compile_unit(unit: Unit, mlx_include: Path, nvcc: str = "nvcc", arch: str = 
     log = run.stdout + run.stderr
     if run.returncode:
         return Compiled(unit.name, False, error=log.strip()[-4000:])
-    used, spill = _PTXAS.search(log), _SPILL.search(log)
-    smem = re.search(r"(\d+) bytes smem", log)
-    return Compiled(unit.name, True, int(used.group(1)) if used else None,
-                    sum(map(int, spill.groups())) if spill else None, int(smem.group(1)) if smem else 0)
+    used, spill, smem = _PTXAS.search(log), _SPILL.search(log), re.search(r"(\d+) bytes smem", log)
+    registers = int(used.group(1)) if used else None
+    fits = None if registers is None or not unit.threads else block_registers(registers, unit.threads) <= SM_REGISTERS
+    return Compiled(unit.name, True, registers, sum(map(int, spill.groups())) if spill else None,
+                    int(smem.group(1)) if smem else 0, fits)
+
+
+def block_registers(registers: int, threads: int) -> int:
+    """Registers a block of `threads` takes of an SM's file: each warp's 32 x `registers`, rounded up to 256."""
+    return -(-threads // 32) * -(-registers * 32 // 256) * 256
 
 
 def compile_sources(units: list[Unit], mlx_include: Path, jobs: int = os.cpu_count() or 1) -> list[Compiled]:
@@ -231,12 +248,13 @@ def main() -> None:
     print(f"compiling {len(units)} units", file=sys.stderr)
     results = compile_sources(units, args.mlx_include, args.jobs)
     report = {"units": len(results), "failed": sum(not r.ok for r in results),
+              "over_registers": sum(r.fits is False for r in results),
               "kernels": [asdict(r) for r in results]}
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
-    sys.exit(1 if report["failed"] else 0)
+    sys.exit(1 if report["failed"] or report["over_registers"] else 0)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def test_compile_only_records_a_kernel_and_leaves_the_cpu_path_as_it_was():
         h, out = norm_gemv.norm_gemv(*bf16)
         assert out.shape == (1, 64) and not np.any(np.array(out.astype(mx.float32)))
     (unit,) = recorder.units.values()
-    assert unit.name == f"custom_kernel_bm_norm_gemv_bfloat16_256_32_{float_bits(1e-5)}_f_f_2"
+    assert unit.name == f"custom_kernel_bm_norm_gemv_bfloat16_256_32_{float_bits(1e-5)}_f_f_2" and unit.threads == 32
     for line in ("using T = __nv_bfloat16;", "constexpr int H = 256;", "constexpr bool ADD = false;",
                  "const __nv_bfloat16* w,", "const __grid_constant__ Shape w_shape,", "__nv_bfloat16* out,"):
         assert line in unit.source
@@ -66,6 +66,15 @@ def test_compile_only_records_a_kernel_and_leaves_the_cpu_path_as_it_was():
     _, out = norm_gemv.norm_gemv(*args)
     y = x / np.sqrt(np.mean(x**2) + 1e-5) * nw
     np.testing.assert_allclose(np.array(out), y @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_block_registers_round_each_warp_to_256():
+    """An SM's 65,536 registers go to warps in 256s: by hand, 96 a thread x 16 warps = 49,152; 255 x 8 warps
+    rounds 8,160 to 8,192 a warp, exactly the file; 33 a thread x 2 warps: 1,056 -> 1,280 a warp."""
+    assert cuda_compile.block_registers(96, 512) == 49152
+    assert cuda_compile.block_registers(255, 256) == 65536 == cuda_compile.SM_REGISTERS
+    assert cuda_compile.block_registers(255, 257) > cuda_compile.SM_REGISTERS
+    assert cuda_compile.block_registers(33, 33) == 2560
 
 
 def test_a_launch_over_cudas_block_limit_is_refused():
@@ -84,5 +93,5 @@ def test_nvcc_compiles_a_real_kernel_and_reports_a_broken_one():
     (unit,) = recorder.units.values()
     broken = cuda_compile.Unit("broken", unit.source.replace("\n}\n\n} // namespace", "\nundeclared = 1;\n}\n\n} //"))
     good, bad = cuda_compile.compile_sources([unit, broken], MLX_INCLUDE, jobs=2)
-    assert good.ok and good.registers > 0 and good.spill_bytes == 0 and good.shared_bytes >= 512 * 2
+    assert good.ok and good.registers > 0 and good.spill_bytes == 0 and good.shared_bytes >= 512 * 2 and good.fits
     assert not bad.ok and '"undeclared" is undefined' in bad.error
