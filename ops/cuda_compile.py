@@ -1,23 +1,25 @@
-"""Compile buttermilk's CUDA kernels without a GPU: every instantiation a test run launches, through `nvcc`.
+"""Compile buttermilk's CUDA kernels without a GPU: every instantiation a test run launches, through NVRTC.
 
-MLX's CUDA backend compiles a custom kernel (`mx.fast.cuda_kernel`) at its first launch, on the GPU host
-(NVRTC). Where no GPU is at hand, this module stands in for that backend: under `compile_only()` the kernels
-believe CUDA is the default device, each launch records the translation unit MLX would build for it
+MLX's CUDA backend compiles a custom kernel (`mx.fast.cuda_kernel`) at its first launch, on the GPU host,
+with NVRTC. Where no GPU is at hand, this module stands in for that backend: under `compile_only()` the
+kernels believe CUDA is the default device, each launch records the translation unit MLX would build for it
 (`kernel_source`: MLX's default header, the kernel's header, its signature from the inputs' dtypes and the
-shape arguments the source names, the template constants, the body) and returns zeros of the output shapes,
-so the Python around the kernels runs on. `compile_sources` then compiles each distinct unit with `nvcc`
-for the H200 (`sm_90a`, as MLX targets it) and reports errors, registers, spills and shared memory per
-kernel (ptxas's report). Outputs are zeros, so what a test asserts of values means nothing here: this
-checks that code compiles and how heavy it is, not what it computes.
+shape arguments the source names, the template constants, the body) and its block size, and returns zeros of
+the output shapes, so the Python around the kernels runs on. `compile_sources` then compiles each distinct
+unit with NVRTC as MLX calls it (`ops.nvrtc`: its options, `sm_90a` for the H200) and reports errors,
+registers, spills, shared memory and whether the block's registers fit an SM, per kernel. Outputs are zeros,
+so what a test asserts of values means nothing here: this checks that code compiles and how heavy it is,
+not what it computes.
 
     python -m ops.cuda_compile --mlx-include /path/to/mlx-src -- tests/test_qkv_rope.py -k store
 
 runs the given pytest arguments under `compile_only()` (the GPU tests then take their CUDA branches),
 compiles what they launched and prints JSON (`--out` also writes it); exit status 1 if any unit failed or
-needs more registers at its launch's block size than an SM has.
-`--mlx-include` is a folder holding `mlx/backend/cuda/device/utils.cuh` (an MLX source checkout: the CUDA
-wheel carries these headers inside its library, not as files). Needs the CUDA toolkit's `nvcc` (12.8 or
-newer for sm_90a's features the tensor-core kernel uses). Not a test.
+needs more registers at its launch's block size than an SM has, 2 if the tests launched none.
+`--mlx-include` is a folder holding `mlx/backend/cuda/device/utils.cuh`: a checkout of MLX's source at the
+version in use (the CUDA wheel carries these headers inside its library, not as files). NVRTC:
+`pip install nvidia-cuda-nvrtc` (or `--nvrtc`); CUDA's headers: a CUDA toolkit's include folder
+(`--cuda-include`). Not a test.
 
 Source: MLX's `mlx/backend/cuda/custom_kernel.cpp` (`build_kernel`, the unit mirrored) and
 `mlx/backend/cuda/jit_module.cpp` (its NVRTC options).
@@ -30,11 +32,7 @@ import contextlib
 import hashlib
 import json
 import os
-import re
-import shutil
-import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -43,14 +41,14 @@ from pathlib import Path
 import mlx.core as mx
 
 from kernels import cuda_kv
+from ops import nvrtc
+from ops.nvrtc import Compiled, Nvrtc
 
-# MLX's `default_header` of a CUDA custom kernel.
+# MLX's `default_header` of a CUDA custom kernel (0.32.4's: no `inf` macro since 0.32.0).
 DEFAULT_HEADER = """
 #include "mlx/backend/cuda/device/utils.cuh"
 
 #include <cooperative_groups.h>
-
-#define inf cuda::std::numeric_limits<float>::infinity()
 
 """
 
@@ -58,6 +56,8 @@ CUDA_TYPES = {mx.bool_: "bool", mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.u
               mx.uint64: "uint64_t", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t",
               mx.int64: "int64_t", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
               mx.float64: "double"}
+# MLX's `get_type_string` (mlx/backend/common/compiled.cpp): a dtype template argument in a kernel's name.
+TYPE_NAMES = {**CUDA_TYPES, mx.float16: "float16_t", mx.bfloat16: "bfloat16_t"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +115,8 @@ def kernel_source(name: str, header: str, source: str, input_names: list[str], i
             suffix += f"_{value}"
         else:
             constants.append(f"  using {arg_name} = {CUDA_TYPES[value]};")
-            suffix += "_" + str(value).rsplit(".", 1)[-1]
-    kernel = f"custom_kernel_{name}{suffix.replace('-', '_')}"
+            suffix += f"_{TYPE_NAMES[value]}"
+    kernel = f"custom_kernel_{name}{suffix}"  # as MLX names it: a negative int makes no identifier, nor compiles
     body = "\n".join(constants) + ("\n\n" if constants else "")
     text = (f"{DEFAULT_HEADER}{header}namespace mlx::core::cu {{\n\nnamespace cg = cooperative_groups;\n\n"
             f"__global__ void {kernel}(\n" + ",\n".join(params) + ") {\n" + body + source
@@ -129,9 +129,11 @@ def _fake_cuda_kernel(recorder: Recorder):
                     shared_memory=0):
         def launch(*, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None, init_value=None,
                    verbose=False, stream=None):
-            if len(inputs) != len(input_names) or len(output_shapes) != len(output_names):
-                raise ValueError(f"{name}: {len(inputs)} inputs for {input_names}, {len(output_shapes)} outputs "
-                                 f"for {output_names}")
+            if len(inputs) != len(input_names) or not len(output_shapes) == len(output_dtypes) == len(output_names):
+                raise ValueError(f"{name}: {len(inputs)} inputs for {input_names}, {len(output_shapes)} output shapes "
+                                 f"and {len(output_dtypes)} dtypes for {output_names}")
+            if shared_memory:
+                raise ValueError(f"{name}: dynamic shared memory is not modeled here")
             if any(t > 1024 for t in threadgroup) or threadgroup[0] * threadgroup[1] * threadgroup[2] > 1024:
                 raise ValueError(f"{name}: a block of {threadgroup} threads is over CUDA's 1,024")
             unit = kernel_source(name, header, source, list(input_names), list(inputs), list(output_names),
@@ -173,80 +175,42 @@ def compile_only() -> Iterator[Recorder]:
         _clear_kernel_caches()
 
 
-@dataclass(frozen=True, slots=True)
-class Compiled:
-    """What `nvcc` said of one unit: ok, and per ptxas's report registers (a thread's), spill bytes (stores +
-    loads) and static shared memory (bytes); `fits`: a block of the unit's threads gets its registers from one
-    SM's 65,536 (a warp's allocated in 256s), else its launch fails ("too many resources requested"); `error`
-    the compiler's output where it failed."""
-
-    name: str
-    ok: bool
-    registers: int | None = None
-    spill_bytes: int | None = None
-    shared_bytes: int | None = None
-    fits: bool | None = None
-    error: str = ""
-
-
-_PTXAS = re.compile(r"Used (\d+) registers")
-SM_REGISTERS = 65536  # 32-bit registers of an SM (H200, every GPU since compute capability 5.0)
-_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-
-
-def compile_unit(unit: Unit, mlx_include: Path, nvcc: str = "nvcc", arch: str = "sm_90a") -> Compiled:
-    """Compile one unit to a cubin with `nvcc` (relocatable device code off, C++17, as MLX's NVRTC call
-    targets `arch`).
-
-    Raises:
-        FileNotFoundError: `nvcc` is not found.
-    """
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / f"{unit.name}.cu"
-        path.write_text(unit.source)
-        run = subprocess.run([nvcc, "-std=c++17", f"-arch={arch}", "--cubin", "-Xptxas", "-v",
-                              f"-I{mlx_include}", "-o", str(Path(folder) / "unit.cubin"), str(path)],
-                             capture_output=True, text=True)
-    log = run.stdout + run.stderr
-    if run.returncode:
-        return Compiled(unit.name, False, error=log.strip()[-4000:])
-    used, spill, smem = _PTXAS.search(log), _SPILL.search(log), re.search(r"(\d+) bytes smem", log)
-    registers = int(used.group(1)) if used else None
-    fits = None if registers is None or not unit.threads else block_registers(registers, unit.threads) <= SM_REGISTERS
-    return Compiled(unit.name, True, registers, sum(map(int, spill.groups())) if spill else None,
-                    int(smem.group(1)) if smem else 0, fits)
-
-
-def block_registers(registers: int, threads: int) -> int:
-    """Registers a block of `threads` takes of an SM's file: each warp's 32 x `registers`, rounded up to 256."""
-    return -(-threads // 32) * -(-registers * 32 // 256) * 256
-
-
-def compile_sources(units: list[Unit], mlx_include: Path, jobs: int = os.cpu_count() or 1) -> list[Compiled]:
-    """`compile_unit` of each unit, `jobs` at a time, in the units' order."""
-    with ThreadPoolExecutor(jobs) as pool:
-        return list(pool.map(lambda u: compile_unit(u, mlx_include), units))
+def compile_sources(units: list[Unit], compiler: Nvrtc, jobs: int = os.cpu_count() or 1) -> list[Compiled]:
+    """Each unit through `compiler` (NVRTC, as MLX calls it), `jobs` at a time, in the units' order."""
+    with ThreadPoolExecutor(jobs) as pool:  # ctypes lets go of the GIL during each compile
+        return list(pool.map(lambda u: compiler.compile(u.name, u.source, f"mlx::core::cu::{u.name}", u.threads), units))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mlx-include", type=Path, required=True,
                         help="a folder holding mlx/backend/cuda/device/utils.cuh (an MLX source checkout)")
+    parser.add_argument("--cuda-include", type=Path, default=Path("/usr/local/cuda/include"),
+                        help="CUDA's headers (cuda_bf16.h; CCCL's in its cccl/ where that exists)")
+    parser.add_argument("--nvrtc", help="libnvrtc.so (default: the nvidia-cuda-nvrtc wheel's, the system's, CUDA's)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path)
     parser.add_argument("pytest_args", nargs="+", help="after --: what pytest runs (files, -k ...)")
     args = parser.parse_args()
     if not (args.mlx_include / "mlx/backend/cuda/device/utils.cuh").is_file():
         parser.error(f"{args.mlx_include} holds no mlx/backend/cuda/device/utils.cuh")
-    if shutil.which("nvcc") is None:
-        parser.error("nvcc is not on the PATH (the CUDA toolkit)")
+    if not (args.cuda_include / "cuda_bf16.h").is_file():
+        parser.error(f"{args.cuda_include} holds no cuda_bf16.h (--cuda-include)")
+    try:
+        library = nvrtc.find_library(args.nvrtc)
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
+    includes = [args.mlx_include, args.cuda_include] + [p for p in [args.cuda_include / "cccl"] if p.is_dir()]
+    compiler = Nvrtc(library, includes)
     import pytest
 
     with compile_only() as recorder:
-        pytest.main(["-q", "--tb=no", "-rN", "-p", "no:cacheprovider", *args.pytest_args])  # outcomes: zeros
+        status = pytest.main(["-q", "--tb=no", "-rN", "-p", "no:cacheprovider", *args.pytest_args])  # outcomes: zeros
     units = list(recorder.units.values())
-    print(f"compiling {len(units)} units", file=sys.stderr)
-    results = compile_sources(units, args.mlx_include, args.jobs)
+    if status not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or not units:
+        parser.error(f"pytest ran no kernel (exit {int(status)}, {len(units)} units): check the paths and -k")
+    print(f"compiling {len(units)} units with {library}", file=sys.stderr)
+    results = compile_sources(units, compiler, args.jobs)
     report = {"units": len(results), "failed": sum(not r.ok for r in results),
               "over_registers": sum(r.fits is False for r in results),
               "kernels": [asdict(r) for r in results]}
