@@ -42,7 +42,6 @@ import mlx.core as mx
 
 from kernels import cuda_kv
 from ops import nvrtc
-from ops.nvrtc import Compiled, Nvrtc
 
 # MLX's `default_header` of a CUDA custom kernel (0.32.4's: no `inf` macro since 0.32.0).
 DEFAULT_HEADER = """
@@ -175,10 +174,15 @@ def compile_only() -> Iterator[Recorder]:
         _clear_kernel_caches()
 
 
-def compile_sources(units: list[Unit], compiler: Nvrtc, jobs: int = os.cpu_count() or 1) -> list[Compiled]:
+def compile_sources(units: list[Unit], compiler: nvrtc.Nvrtc, jobs: int = os.cpu_count() or 1
+                    ) -> list[nvrtc.Compiled]:
     """Each unit through `compiler` (NVRTC, as MLX calls it), `jobs` at a time, in the units' order."""
+
+    def one(unit: Unit) -> nvrtc.Compiled:
+        return compiler.compile(unit.name, unit.source, f"mlx::core::cu::{unit.name}", unit.threads)
+
     with ThreadPoolExecutor(jobs) as pool:  # ctypes lets go of the GIL during each compile
-        return list(pool.map(lambda u: compiler.compile(u.name, u.source, f"mlx::core::cu::{u.name}", u.threads), units))
+        return list(pool.map(one, units))
 
 
 def main() -> None:
@@ -201,7 +205,7 @@ def main() -> None:
     except FileNotFoundError as exc:
         parser.error(str(exc))
     includes = [args.mlx_include, args.cuda_include] + [p for p in [args.cuda_include / "cccl"] if p.is_dir()]
-    compiler = Nvrtc(library, includes)
+    compiler = nvrtc.Nvrtc(library, includes)
     import pytest
 
     with compile_only() as recorder:

@@ -55,8 +55,9 @@ def find_library(path: str | os.PathLike | None = None) -> Path:
         if not Path(path).is_file():
             raise FileNotFoundError(f"no NVRTC library at {path}")
         return Path(path)
-    found = [f for entry in sys.path for pattern in ("nvidia/cu*/lib/libnvrtc.so.*", "nvidia/cuda_nvrtc/lib/libnvrtc.so.*")
-             for f in sorted(glob.glob(os.path.join(entry, pattern))) if "builtins" not in f and ".alt." not in f]
+    wheels = ("nvidia/cu*/lib/libnvrtc.so.*", "nvidia/cuda_nvrtc/lib/libnvrtc.so.*")  # CUDA 13's layout, 12's
+    found = [f for entry in sys.path for pattern in wheels for f in sorted(glob.glob(os.path.join(entry, pattern)))
+             if "builtins" not in f and ".alt." not in f]
     system = ctypes.util.find_library("nvrtc")
     found += [system] if system else []
     found += sorted(glob.glob("/usr/local/cuda/lib64/libnvrtc.so*"))

@@ -25,7 +25,8 @@ CUDA_INCLUDE = Path(os.environ.get("BUTTERMILK_CUDA_INCLUDE", "/usr/local/cuda/i
 
 
 def _compiler() -> nvrtc.Nvrtc | None:
-    if not (MLX_INCLUDE / "mlx/backend/cuda/device/utils.cuh").is_file() or not (CUDA_INCLUDE / "cuda_bf16.h").is_file():
+    headers = (MLX_INCLUDE / "mlx/backend/cuda/device/utils.cuh", CUDA_INCLUDE / "cuda_bf16.h")
+    if not all(h.is_file() for h in headers):
         return None
     try:
         library = nvrtc.find_library(os.environ.get("BUTTERMILK_NVRTC"))
@@ -41,7 +42,7 @@ def test_unit_is_laid_out_as_mlx_builds_it():
     """Inputs as const pointers of their CUDA types, `_shape` / `_strides` / `_ndim` only where the source names
     them and the input has dimensions, outputs, template arguments as constants (bools as true/false), then
     the body, in MLX's namespace; the kernel's name carries the template values as MLX prints them."""
-    source = "o[0] = static_cast<float>(a[a_shape[0] + a_ndim + a_strides[1]]) + n[0] * N;  // n_shape: a scalar has none"
+    source = "o[0] = static_cast<float>(a[a_shape[0] + a_ndim + a_strides[1]]) + n[0] * N;  // n_shape: none (scalar)"
     unit = cuda_compile.kernel_source(
         "toy", "#define HELPER 1\n", source, ["a", "n"], [mx.zeros((2, 3), mx.bfloat16), mx.array(3, mx.int32)],
         ["o"], [mx.float32], [("T", mx.float16), ("U", mx.bfloat16), ("N", 4), ("F", False), ("G", True)])
@@ -156,8 +157,12 @@ def test_nvrtc_compiles_a_real_kernel_and_fails_where_mlx_would():
             threadgroup=(32, 1, 1), template=[("N", -3)])
     unit, negative = recorder.units.values()
     assert negative.name == "custom_kernel_neg_-3"
-    no_name = cuda_compile.Unit("no_name", unit.source.replace("\n}\n\n} // namespace", "\nundeclared = 1;\n}\n\n} //"), 64)
-    bare_inf = cuda_compile.Unit("bare_inf", unit.source.replace("\n}\n\n} // namespace", "\nfloat z = inf;\n}\n\n} //"), 64)
+    end = "\n}\n\n} // namespace"
+
+    def broken(name: str, statement: str) -> cuda_compile.Unit:
+        return cuda_compile.Unit(name, unit.source.replace(end, f"\n{statement}{end}"), 64)
+
+    no_name, bare_inf = broken("no_name", "undeclared = 1;"), broken("bare_inf", "float z = inf;")
     good, *bad = cuda_compile.compile_sources([unit, no_name, bare_inf, negative], COMPILER, jobs=2)
     assert good.ok and good.threads == 64 and good.registers > 0 and good.spill_bytes == 0 and good.fits
     assert good.shared_bytes >= 512 * 2  # the normalized row, fp16
