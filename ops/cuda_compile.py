@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -133,11 +134,12 @@ def _fake_cuda_kernel(recorder: Recorder):
                                  f"and {len(output_dtypes)} dtypes for {output_names}")
             if shared_memory:
                 raise ValueError(f"{name}: dynamic shared memory is not modeled here")
-            if any(t > 1024 for t in threadgroup) or threadgroup[0] * threadgroup[1] * threadgroup[2] > 1024:
+            threads = math.prod(threadgroup)
+            if threads > 1024:
                 raise ValueError(f"{name}: a block of {threadgroup} threads is over CUDA's 1,024")
             unit = kernel_source(name, header, source, list(input_names), list(inputs), list(output_names),
                                  list(output_dtypes), list(template or []))
-            recorder.add(Unit(unit.name, unit.source, threadgroup[0] * threadgroup[1] * threadgroup[2]))
+            recorder.add(Unit(unit.name, unit.source, threads))
             fill = 0 if init_value is None else init_value
             return [mx.full(tuple(shape), fill, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
 

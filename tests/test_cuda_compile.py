@@ -143,8 +143,9 @@ def test_find_library_takes_a_path_given_and_refuses_a_missing_one(tmp_path):
         nvrtc.find_library(tmp_path / "absent.so")
 
 
-@pytest.mark.skipif(COMPILER is None, reason="needs NVRTC, CUDA's headers and BUTTERMILK_MLX_INCLUDE (MLX's CUDA "
-                                             "device headers)")
+@pytest.mark.skipif(COMPILER is None, reason="compiles as MLX does, so needs MLX's CUDA device headers, which ship only "
+                    "inside the mlx-cuda library (a CPU machine has them from an MLX source checkout: "
+                    "BUTTERMILK_MLX_INCLUDE), NVRTC (pip install nvidia-cuda-nvrtc) and CUDA's headers")
 def test_nvrtc_compiles_a_real_kernel_and_fails_where_mlx_would():
     """A recorded `norm_gemv` compiles, with its registers and shared memory; what MLX's NVRTC call refuses is
     refused: a statement naming nothing, a bare `inf` (MLX's header has had no such macro since 0.32.0), and a
