@@ -24,9 +24,10 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/python -m ops.demo --prompt "$(PROMPT)"
 
-# Tests run with OpenBLAS preloaded when it is installed (the CLI does the same by re-executing itself).
+# Tests run with OpenBLAS (and the one-row GEMV routing, shared/blas_gemv.c) preloaded when it is
+# installed: `python -m shared.blas` prints the list, as the CLI uses it by re-executing itself.
 test: setup
-	LD_PRELOAD=$$(ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 2>/dev/null | head -n 1) $(BIN)/pytest -q
+	LD_PRELOAD=$$($(BIN)/python -m shared.blas) $(BIN)/pytest -q
 
 clean:
 	rm -rf $(VENV)

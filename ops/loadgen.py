@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared.blas import active_blas, reexec_with_openblas
+from shared.blas import active_blas, reexec_with_blas
 from shared.client import AsyncClient, Completion
 
 RESULTS = Path(__file__).parent / "results"
@@ -162,7 +162,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def main() -> None:
-    reexec_with_openblas("ops.loadgen")
+    reexec_with_blas("ops.loadgen")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", help="a running server (else --start)")
     parser.add_argument("--start", action="store_true", help="start `buttermilk serve` for the run")

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from shared.blas import reexec_with_openblas
+from shared.blas import reexec_with_blas
 from shared.errors import ButtermilkError
 
 # subcommand → module in services.commands exposing `add_arguments(parser)` and `run(args) -> int`
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Entry point. Exit codes: 0 ok, 1 internal error, 2 user error (message on stderr)."""
     if argv is None:
-        reexec_with_openblas("services.cli")
+        reexec_with_blas("services.cli")
     args = parse_args(argv)
     module = importlib.import_module(f"services.commands.{COMMANDS[args.command]}")
     try:

@@ -50,8 +50,9 @@ def test_window_equals_own_scheme_with_explicit_mask(tiny_llama, scheme):
     """Each scheme windowed equals the same scheme on a full cache under the explicit rule.
 
     Quantization is discontinuous: a 1-ulp difference in a key (the two runs sum in different
-    orders) can flip one rounding, so compressed schemes get a 0.02 bound on logits. A rule
-    off by a single position moves logits by more than 0.3 (checked below), far outside it.
+    orders) can flip one rounding, so compressed schemes get a 0.05 bound on logits (flips moved them by up
+    to 0.021, aura8v4 with one-row products through GEMV). A rule off by a single position moves logits by
+    more than 0.3 (0.58-0.67 measured; checked below), far outside it.
     """
     window = Window(32, 4)
     tokens = np.random.default_rng(1).integers(0, 128, 140)
@@ -59,7 +60,7 @@ def test_window_equals_own_scheme_with_explicit_mask(tiny_llama, scheme):
     got, _ = windowed_logits(tiny_llama, tokens, options, prompt_len=100, chunk=48)
     want = masked_full_logits(tiny_llama, tokens, options, rule_mask(window, 140))
     off_by_one = masked_full_logits(tiny_llama, tokens, options, rule_mask(Window(33, 4), 140))
-    bound = 1e-4 if scheme == "raw" else 0.02
+    bound = 1e-4 if scheme == "raw" else 0.05
     assert np.abs(got - want).max() < bound
     assert np.abs(got - off_by_one).max() > 0.3
 
