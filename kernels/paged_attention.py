@@ -394,29 +394,78 @@ def _softmax_part(scores: mx.array, visible: mx.array, valid: mx.array | None, v
 
 
 def _affine_chunk(q, fmt: LayerFormat, rows: mx.array, visible: mx.array, valid: mx.array):
-    """Affine chunk on the CPU at decode: `mx.quantized_matmul` on the codes (no dequantized K/V).
+    """Affine chunk on the CPU at decode, computed on the codes (no dequantized K/V).
 
-    Faster than dequantize + matmul there for a few query rows (`ops/bench_kv.py --mode attention`);
-    slower for prompt chunks, and on CUDA `quantized_matmul` has no kernel for these shapes.
+    With codes c, scales s and biases b per group g, a score is `sum_g s_g (q_g . c_g) + b_g sum(q_g)` and an
+    output `sum_t (p_t s_tg) c_tg + sum_t p_t b_tg`: plain matmuls over the codes as float32. Codes of 2, 4 or 8
+    bits are read a byte at a time (`_code_lanes`); other widths go through `mx.quantized_matmul`. One 4096-token
+    chunk of the default model's layer on 2 cores: affine8 scores + outputs 0.50 ms against 2.45 through
+    `quantized_matmul`, affine4 1.6 against 2.5. Both beat dequantize + matmul for a few query rows; prompt
+    chunks take that path (`_chunk_scores`), and on CUDA the fused kernels serve.
     """
     key, value = fmt.key, fmt.value
     meta = mx.view(mx.contiguous(rows[..., fmt.meta_offset :]), mx.float16).astype(mx.float32)
     kg, vg = fmt.key_meta_halves // 2, fmt.value_meta_halves // 2
-    k_meta = meta[..., : 2 * kg]
-    v_meta = mx.where(valid.swapaxes(-1, -2), meta[..., 2 * kg : 2 * kg + 2 * vg], 0.0)
-
-    def operand(codes, meta_part, groups):
-        return mx.contiguous(codes), meta_part[..., :groups], meta_part[..., groups:]
-
+    k_scale, k_bias = meta[..., :kg], meta[..., kg : 2 * kg]  # [B, H, C, groups]
+    v_meta = mx.where(valid.swapaxes(-1, -2), meta[..., 2 * kg : 2 * kg + 2 * vg], 0.0)  # NaN outside: no output
+    v_scale, v_bias = v_meta[..., :vg], v_meta[..., vg:]
     k_codes, v_codes = rows[..., : fmt.key_words], rows[..., fmt.key_words : fmt.meta_offset]
-    scores = mx.quantized_matmul(q, *operand(k_codes, k_meta, kg), transpose=True, group_size=key.group_size,
-                                 bits=key.bits)
+    if _bytewise(key.bits, fmt.key_dim):
+        scores = _code_scores(q, _code_lanes(k_codes, key.bits), k_scale, k_bias, kg)
+    else:
+        scores = mx.quantized_matmul(q, mx.contiguous(k_codes), k_scale, k_bias, transpose=True,
+                                     group_size=key.group_size, bits=key.bits)
     scores = mx.where(visible, scores, -mx.inf)
     m = mx.maximum(scores.max(axis=-1, keepdims=True), _NEG)
     p = mx.exp(scores - m)
-    acc = mx.quantized_matmul(p, *operand(v_codes, v_meta, vg), transpose=False, group_size=value.group_size,
-                              bits=value.bits)
+    if _bytewise(value.bits, fmt.value_dim):
+        acc = _code_outputs(p, _code_lanes(v_codes, value.bits), v_scale, v_bias, vg)
+    else:
+        acc = mx.quantized_matmul(p, mx.contiguous(v_codes), v_scale, v_bias, transpose=False,
+                                  group_size=value.group_size, bits=value.bits)
     return m, p.sum(axis=-1, keepdims=True), acc
+
+
+def _bytewise(bits: int, dim: int) -> bool:
+    """Whether `_code_lanes` reads these codes: a width that never straddles a byte, and whole words (no padding)."""
+    return bits in (2, 4, 8) and dim * bits % 32 == 0
+
+
+def _code_lanes(words: mx.array, bits: int) -> list[mx.array]:
+    """`mx.quantize` codes [B, H, C, words] as float32 lanes: lane j [B, H, C, dim / n] holds elements j, j + n, ...
+    (n = 8 / bits codes a byte; a word packs its elements from the least significant bit, little-endian bytes)."""
+    data = mx.view(mx.contiguous(words), mx.uint8)
+    if bits == 8:
+        return [data.astype(mx.float32)]
+    mask = (1 << bits) - 1
+    return [((data >> (j * bits)) & mask).astype(mx.float32) for j in range(8 // bits)]
+
+
+def _code_scores(q, lanes, scale, bias, groups: int):
+    """Scores [B, H, R, C] of q [B, H, R, D] against affine keys as `_code_lanes`, scale/bias [B, H, C, groups]."""
+    b, h, r, d = q.shape
+    n, per_group = len(lanes), d // groups
+    qg = q.reshape(b, h, r, groups, per_group).swapaxes(2, 3)  # [B, H, G, R, gs]
+    dots = None
+    for j, lane in enumerate(lanes):
+        codes = lane.reshape(*lane.shape[:3], groups, per_group // n).transpose(0, 1, 3, 4, 2)  # [B, H, G, gs/n, C]
+        part = qg[..., j::n] @ codes
+        dots = part if dots is None else dots + part
+    q_sum = qg.sum(axis=-1, keepdims=True)  # [B, H, G, R, 1]
+    return (dots * scale.transpose(0, 1, 3, 2)[:, :, :, None] + q_sum * bias.transpose(0, 1, 3, 2)[:, :, :, None]).sum(2)
+
+
+def _code_outputs(p, lanes, scale, bias, groups: int):
+    """Outputs [B, H, R, D] of weights p [B, H, R, C] over affine values as `_code_lanes`."""
+    b, h, r, _ = p.shape
+    n = len(lanes)
+    per_lane = lanes[0].shape[-1] // groups
+    ps = p[:, :, None] * scale.transpose(0, 1, 3, 2)[:, :, :, None]  # [B, H, G, R, C]
+    parts = [ps @ lane.reshape(*lane.shape[:3], groups, per_lane).swapaxes(2, 3) for lane in lanes]  # [B, H, G, R, gs/n]
+    acc = parts[0][..., None] if n == 1 else mx.stack(parts, axis=-1)  # element m * n + j of a group in [..., m, j]
+    acc = acc.reshape(b, h, groups, r, per_lane * n) + (p[:, :, None] * bias.transpose(0, 1, 3, 2)[:, :, :, None]).sum(
+        axis=-1, keepdims=True)
+    return acc.swapaxes(2, 3).reshape(b, h, r, groups * per_lane * n)
 
 
 def _merge(state, part):
