@@ -32,6 +32,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 
+from ops.decode_clock import DecodeClock
 from services.engine.cache import CacheOptions
 from services.engine.core import EngineCore
 from services.engine.model.loader import LoadedModel, load_model
@@ -57,18 +58,6 @@ def prompts_for(batch: int, vocab: int, seed: int) -> list[list[int]]:
     return [rng.integers(0, vocab, int(rng.integers(8, 25))).tolist() for _ in range(batch)]
 
 
-def decode_rate(events: list[tuple[float, int]], num_streams: int) -> float:
-    """Tokens per second after every stream has its first token; `events` = (time, stream)."""
-    seen, start = set(), None
-    for i, (t, stream) in enumerate(events):
-        seen.add(stream)
-        if len(seen) == num_streams:
-            start = i
-            break
-    rest = events[start + 1 :]
-    return len(rest) / (rest[-1][0] - events[start][0]) if rest else 0.0
-
-
 def make_core(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, page_size: int) -> EngineCore:
     """An engine sized for these streams; a server keeps one, so the bench reuses it across runs."""
     longest = max(map(len, prompts)) + max_tokens
@@ -79,26 +68,26 @@ def make_core(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, pa
 
 
 def run_ours(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> float:
+    """Decode tokens/s after every stream's first token (`ops.decode_clock`: none launched before the start)."""
     for i, prompt in enumerate(prompts):
         core.add_request(Request(str(i), prompt, SamplingParams(max_tokens=max_tokens)))
-    events = []
+    clock = DecodeClock(len(prompts))
     while core.has_unfinished():
-        for out in core.step():
-            events += [(time.perf_counter(), int(out.request_id))] * len(out.new_token_ids)
-    return decode_rate(events, len(prompts))
+        clock.record([out.request_id for out in core.step() for _ in out.new_token_ids], ahead=core.in_flight)
+    return clock.rate()
 
 
 def run_mlx_lm(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> float:
+    """The same rate for mlx-lm's `BatchGenerator`, which always has its next step in flight when it returns."""
     gen = BatchGenerator(
         loaded.model, max_tokens=max_tokens, completion_batch_size=len(prompts), prefill_batch_size=len(prompts)
     )
     gen.insert(prompts)
-    events = []
+    clock = DecodeClock(len(prompts))
     while responses := gen.next_generated():
-        now = time.perf_counter()
-        events += [(now, r.uid) for r in responses]
+        clock.record([r.uid for r in responses], ahead=True)
     gen.close()
-    return decode_rate(events, len(prompts))
+    return clock.rate()
 
 
 def profile_decode(loaded: LoadedModel, batch: int, context: int, page_size: int, repeats: int = 5) -> dict:

@@ -39,6 +39,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ops.decode_clock import DecodeClock
 from shared.blas import active_blas
 
 RESULTS = Path(__file__).parent / "results"
@@ -129,6 +130,9 @@ def fill_random(caches: list, model, num_tokens: int, chunk: int) -> None:
 def decode_rate(core, requests, warmup: int, host: dict | None = None) -> float:
     """Aggregate decode tokens/s after every stream has `warmup` tokens (prefill and warm-up excluded).
 
+    Counts only the tokens of steps launched after the clock started (`ops.decode_clock`): a GPU engine runs a
+    window ahead, and that window's tokens were paid for before the start.
+
     `host` (optional) receives, over the timed part, the seconds the host spent building and launching
     steps (`launch_s`: `ModelRunner.run`) and waiting for them (`wait_s`: `ModelRunner.collect`), and this
     thread's CPU seconds (`thread_cpu_s`: MLX's waits for the GPU spin, so it tracks the wall time; it is not
@@ -149,22 +153,21 @@ def decode_rate(core, requests, warmup: int, host: dict | None = None) -> float:
         return call
 
     runner.run, runner.collect = timed(run, "launch_s"), timed(collect, "wait_s")
-    counts, start, tokens = {r.request_id: 0 for r in requests}, None, 0
+    clock, cpu = DecodeClock(len(requests), warmup), None
     try:
         while core.has_unfinished():
-            for out in core.step():
-                counts[out.request_id] += len(out.new_token_ids)
-                if start is not None:
-                    tokens += len(out.new_token_ids)
-            if start is None and min(counts.values()) >= warmup:
-                start, cpu = time.perf_counter(), time.thread_time()
+            clock.record([out.request_id for out in core.step() for _ in out.new_token_ids], ahead=core.in_flight)
+            if cpu is None and clock.start is not None:
+                cpu = time.thread_time()
                 spent.update(launch_s=0.0, wait_s=0.0)
     finally:
         runner.run, runner.collect = run, collect
-    seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
+    if not clock.tokens:
+        raise ValueError("no decode step after the warm-up was timed; ask for more --steps")
     if host is not None:
-        host.update({k: round(v, 4) for k, v in spent.items()}, timed_s=round(seconds, 4), thread_cpu_s=round(cpu, 4))
-    return tokens / seconds
+        host.update({k: round(v, 4) for k, v in spent.items()}, timed_s=round(clock.seconds, 4),
+                    thread_cpu_s=round(time.thread_time() - cpu, 4))
+    return clock.rate()
 
 
 def decode_run(loaded, scheme: str, context: int, args) -> dict:

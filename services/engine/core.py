@@ -194,6 +194,11 @@ class EngineCore:
             self.runner.drain()
         return held
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a launched step awaits its read-back (with `run_ahead`, between calls of `step()`)."""
+        return self._in_flight is not None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._aborts)
 
