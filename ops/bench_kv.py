@@ -137,6 +137,9 @@ def decode_rate(core, requests, warmup: int, host: dict | None = None) -> float:
     steps (`launch_s`: `ModelRunner.run`) and waiting for them (`wait_s`: `ModelRunner.collect`), and this
     thread's CPU seconds (`thread_cpu_s`: MLX's waits for the GPU spin, so it tracks the wall time; it is not
     the host's work alone).
+
+    Raises:
+        ValueError: no step after the warm-up was timed (too few steps).
     """
     for request in requests:
         core.add_request(request)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -55,13 +56,13 @@ def gemv_shim_path() -> str | None:
         return None
     if target.exists():
         return str(target)
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc")]
+    if cc[0] is None:
         return None
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(partial), str(GEMV_SOURCE), "-ldl"],
+        subprocess.run([*cc, "-O2", "-shared", "-fPIC", "-o", str(partial), str(GEMV_SOURCE), "-ldl"],
                        check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
         os.replace(partial, target)
     except (OSError, subprocess.SubprocessError):
@@ -98,10 +99,12 @@ def reexec_with_blas(module: str) -> None:
     Returns without doing anything off Linux, when opted out, when OpenBLAS is not installed,
     or when every library is already preloaded. Must run before `mlx` is imported.
     """
+    if "mlx.core" in sys.modules:
+        return  # too late for this process
     preload = os.environ.get("LD_PRELOAD", "")
     missing = [lib for lib in preloads() if lib not in preload]
-    if not missing or "mlx.core" in sys.modules:
-        return  # done, or too late for this process (children still get it via the environment)
+    if not missing:
+        return
     env = dict(os.environ, LD_PRELOAD=":".join([*missing, preload] if preload else missing))
     os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
 
