@@ -26,7 +26,7 @@ from kernels.cuda_mma import MMA_HEADER, PARTIAL_MMA
 from kernels.cuda_source import COMBINE, ENCODE, PARTIAL, compact, kernel_header
 from kernels.kv_format import AFFINE, AURA, RAW, LayerFormat, PartFormat
 from kernels.lloyd_max import lloyd_max_thresholds
-from shared.paths import data_dir
+from shared.paths import data_dir, private_folder
 
 MODES = {RAW: 0, AFFINE: 1, AURA: 2}
 NUM_SMS = 132  # H200; only sizes the split count
@@ -116,16 +116,8 @@ def source_dir() -> Path | None:
         text = str(folder)
         if any(c in text for c in '"\\\n') or any(part in text for part in SHAPE_PARTS):
             continue
-        try:
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            info = folder.stat()
-            if info.st_uid != os.getuid() or info.st_mode & 0o022:
-                continue
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-        except OSError:
-            continue
-        return folder
+        if private_folder(folder):
+            return folder
     return None
 
 

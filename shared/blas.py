@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shared.paths import data_dir
+from shared.paths import data_dir, private_folder
 
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -44,16 +44,20 @@ def gemv_shim_path() -> str | None:
 
     The library lives in `data_dir()/blas/`, named by the source's hash and the machine, and is
     compiled with `$CC` (else `cc`, `gcc`), written to a temporary name and renamed into place, so
-    processes racing to build it each see a whole file. `None` when opted out
-    (`BUTTERMILK_BLAS_GEMV=0`), off Linux, or when no compiler, data folder or build succeeds.
+    processes racing to build it each see a whole file. Every process preloads it, so the folder
+    must be this user's alone (`shared.paths.private_folder`). `None` when opted out
+    (`BUTTERMILK_BLAS_GEMV=0`), off Linux, or when no compiler, build or private folder serves.
     """
     if sys.platform != "linux" or os.environ.get("BUTTERMILK_BLAS_GEMV") == "0":
         return None
     digest = hashlib.sha256(GEMV_SOURCE.read_bytes()).hexdigest()[:16]
     try:
-        target = data_dir() / "blas" / f"libbuttermilk_gemv-{digest}-{platform.machine()}.so"
+        folder = data_dir() / "blas"
     except RuntimeError:  # no home folder
         return None
+    if not private_folder(folder):  # every process preloads what lies here: only this user may write it
+        return None
+    target = folder / f"libbuttermilk_gemv-{digest}-{platform.machine()}.so"
     if target.exists():
         return str(target)
     cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc")]
@@ -61,7 +65,6 @@ def gemv_shim_path() -> str | None:
         return None
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([*cc, "-O2", "-shared", "-fPIC", "-o", str(partial), str(GEMV_SOURCE), "-ldl"],
                        check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
         os.replace(partial, target)

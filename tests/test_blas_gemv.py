@@ -184,3 +184,14 @@ def test_preloads_put_the_shim_first(tmp_path, monkeypatch):
     monkeypatch.delenv("BUTTERMILK_OPENBLAS")
     monkeypatch.setattr(blas, "openblas_path", lambda: None)
     assert blas.preloads() == []
+
+
+def test_a_folder_others_may_write_holds_no_library(tmp_path, monkeypatch):
+    """Every process preloads the library, so a `blas` folder writable by others is refused: nothing is built or
+    used there (the rule of `shared.paths.private_folder`, as for kernel sources)."""
+    monkeypatch.setenv("BUTTERMILK_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("BUTTERMILK_BLAS_GEMV", raising=False)
+    (tmp_path / "blas").mkdir(mode=0o700)
+    os.chmod(tmp_path / "blas", 0o777)
+    assert blas.gemv_shim_path() is None
+    assert not any((tmp_path / "blas").iterdir())
