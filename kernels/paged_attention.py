@@ -33,6 +33,7 @@ import os
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from kernels import cuda_kv
 from kernels.kv_format import AFFINE, LayerFormat
 
@@ -398,10 +399,11 @@ def _affine_chunk(q, fmt: LayerFormat, rows: mx.array, visible: mx.array, valid:
 
     With codes c, scales s and biases b per group g, a score is `sum_g s_g (q_g . c_g) + b_g sum(q_g)` and an
     output `sum_t (p_t s_tg) c_tg + sum_t p_t b_tg`: plain matmuls over the codes as float32. Codes of 2, 4 or 8
-    bits are read a byte at a time (`_code_lanes`); other widths go through `mx.quantized_matmul`. One 4096-token
-    chunk of the default model's layer on 2 cores: affine8 scores + outputs 0.50 ms against 2.45 through
-    `quantized_matmul`, affine4 1.6 against 2.5. Both beat dequantize + matmul for a few query rows; prompt
-    chunks take that path (`_chunk_scores`), and on CUDA the fused kernels serve.
+    bits are read a byte at a time (`_code_lanes`) and multiplied as stored; other widths go through
+    `mx.quantized_matmul`. One 4096-token chunk of the default model's layer (3 kv heads x 3 queries, compiled,
+    2 cores), the whole chunk: affine4 1.5 ms, affine8 1.3; head_dim 128: 3.5 and 2.8 (each group's codes copied
+    out for a matmul of its own first: 2.4, 1.4, 6.1, 5.6). Both beat dequantize + matmul for a few query rows;
+    prompt chunks take that path (`_chunk_scores`), and on CUDA the fused kernels serve.
     """
     key, value = fmt.key, fmt.value
     meta = mx.view(mx.contiguous(rows[..., fmt.meta_offset :]), mx.float16).astype(mx.float32)
@@ -441,31 +443,51 @@ def _code_lanes(words: mx.array, bits: int) -> list[mx.array]:
     return [((data >> (j * bits)) & mask).astype(mx.float32) for j in range(8 // bits)]
 
 
+@functools.cache
+def _group_mask(groups: int, lane_width: int, dim: int) -> mx.array:
+    """float32 [groups, lane_width]: 1 where a lane's element i (vector element i * n + j) is in group g."""
+    n = dim // lane_width
+    member = np.arange(lane_width) * n // (dim // groups)
+    return mx.array(member[None, :] == np.arange(groups)[:, None], dtype=mx.float32)
+
+
 def _code_scores(q, lanes, scale, bias, groups: int):
-    """Scores [B, H, R, C] of q [B, H, R, D] against affine keys as `_code_lanes`, scale/bias [B, H, C, groups]."""
+    """Scores [B, H, R, C] of q [B, H, R, D] against affine keys as `_code_lanes`, scale/bias [B, H, C, groups].
+
+    Each lane is one matmul against its codes as stored ([C, D / n] read transposed, no copy): the query's
+    lane is spread over `groups` block-diagonal rows [G * R, D / n], so the product holds every group's dot
+    products [G, R, C] at once, and the scales weight them after.
+    """
     b, h, r, d = q.shape
-    n, per_group = len(lanes), d // groups
-    qg = q.reshape(b, h, r, groups, per_group).swapaxes(2, 3)  # [B, H, G, R, gs]
+    n = len(lanes)
+    width = d // n
+    q_lanes = q.reshape(b, h, 1, r, width, n)
+    mask = _group_mask(groups, width, d)[:, None, :]  # [G, 1, D / n]
     dots = None
     for j, lane in enumerate(lanes):
-        codes = lane.reshape(*lane.shape[:3], groups, per_group // n).transpose(0, 1, 3, 4, 2)  # [B, H, G, gs/n, C]
-        part = qg[..., j::n] @ codes
+        rows = (q_lanes[..., j] * mask).reshape(b, h, groups * r, width)
+        part = rows @ lane.swapaxes(-1, -2)
         dots = part if dots is None else dots + part
-    q_sum = qg.sum(axis=-1, keepdims=True)  # [B, H, G, R, 1]
-    return (dots * scale.transpose(0, 1, 3, 2)[:, :, :, None] + q_sum * bias.transpose(0, 1, 3, 2)[:, :, :, None]).sum(2)
+    dots = dots.reshape(b, h, groups, r, -1)  # [B, H, G, R, C]
+    q_sum = q.reshape(b, h, r, groups, d // groups).sum(axis=-1).swapaxes(-1, -2)[..., None]  # [B, H, G, R, 1]
+    by_group = scale.swapaxes(-1, -2)[:, :, :, None], bias.swapaxes(-1, -2)[:, :, :, None]  # [B, H, G, 1, C]
+    return (dots * by_group[0] + q_sum * by_group[1]).sum(axis=2)
 
 
 def _code_outputs(p, lanes, scale, bias, groups: int):
-    """Outputs [B, H, R, D] of weights p [B, H, R, C] over affine values as `_code_lanes`."""
-    b, h, r, _ = p.shape
-    n = len(lanes)
-    per_lane = lanes[0].shape[-1] // groups
-    ps = p[:, :, None] * scale.transpose(0, 1, 3, 2)[:, :, :, None]  # [B, H, G, R, C]
-    parts = [ps @ lane.reshape(*lane.shape[:3], groups, per_lane).swapaxes(2, 3) for lane in lanes]  # [B, H, G, R, gs/n]
-    acc = parts[0][..., None] if n == 1 else mx.stack(parts, axis=-1)  # element m * n + j of a group in [..., m, j]
-    acc = acc.reshape(b, h, groups, r, per_lane * n) + (p[:, :, None] * bias.transpose(0, 1, 3, 2)[:, :, :, None]).sum(
-        axis=-1, keepdims=True)
-    return acc.swapaxes(2, 3).reshape(b, h, r, groups * per_lane * n)
+    """Outputs [B, H, R, D] of weights p [B, H, R, C] over affine values as `_code_lanes`.
+
+    The weights times each group's scales [G * R, C] multiply every lane as stored ([C, D / n], no copy);
+    of the product [G, R, D / n] each element keeps its own group's row.
+    """
+    b, h, r, c = p.shape
+    n, width = len(lanes), lanes[0].shape[-1]
+    d = n * width
+    scaled = (p[:, :, None] * scale.swapaxes(-1, -2)[:, :, :, None]).reshape(b, h, groups * r, c)
+    parts = [scaled @ lane for lane in lanes]  # each [B, H, G * R, D / n]
+    acc = (parts[0][..., None] if n == 1 else mx.stack(parts, axis=-1)).reshape(b, h, groups, r, width, n)
+    acc = (acc * _group_mask(groups, width, d)[:, None, :, None]).sum(axis=2)  # element i * n + j at [i, j]
+    return acc.reshape(b, h, r, d) + mx.repeat(p @ bias, d // groups, axis=-1)
 
 
 def _merge(state, part):

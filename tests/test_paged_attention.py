@@ -37,6 +37,7 @@ SCHEMES = {
     "affine8": lambda dt: (PartFormat(AFFINE, 8, 64, dtype=dt),) * 2,
     "affine4": lambda dt: (PartFormat(AFFINE, 4, 32, dtype=dt),) * 2,
     "affine6": lambda dt: (PartFormat(AFFINE, 6, 64, dtype=dt),) * 2,
+    "affine2": lambda dt: (PartFormat(AFFINE, 2, 32, dtype=dt),) * 2,
     "aura8v4": lambda dt: (PartFormat(AURA, 8, seed=11, dtype=dt), PartFormat(AURA, 4, seed=12, dtype=dt)),
     "aura4v4": lambda dt: (PartFormat(AURA, 4, seed=21, dtype=dt), PartFormat(AURA, 4, seed=22, dtype=dt)),
     "aura4v2": lambda dt: (PartFormat(AURA, 4, seed=31, dtype=dt), PartFormat(AURA, 2, seed=32, dtype=dt)),
@@ -187,6 +188,8 @@ DECODE_CASES = [
     ("affine8", 64, 1, (31, 32, 100), True),
     ("affine4", 128, 4, (1, 47, 300), False),
     ("affine6", 64, 8, (5, 64, 65), False),
+    ("affine2", 64, 4, (1, 33, 300), True),  # four codes a byte, two groups a head
+    ("affine8", 128, 8, (1, 129), False),  # one code a byte, two groups a head
     ("aura8v4", 64, 4, (16, 17), False),
     ("aura4v4", 128, 8, (1, 2, 700), True),
     ("aura4v2", 64, 1, (3, 33, 129), False),
