@@ -451,6 +451,11 @@ def _group_mask(groups: int, lane_width: int, dim: int) -> mx.array:
     return mx.array(member[None, :] == np.arange(groups)[:, None], dtype=mx.float32)
 
 
+def _per_group(meta: mx.array) -> mx.array:
+    """Scales or biases [B, H, C, G] as [B, H, G, 1, C]: one row of C a group, broadcast over query rows."""
+    return meta.swapaxes(-1, -2)[:, :, :, None]
+
+
 def _code_scores(q, lanes, scale, bias, groups: int):
     """Scores [B, H, R, C] of q [B, H, R, D] against affine keys as `_code_lanes`, scale/bias [B, H, C, groups].
 
@@ -470,8 +475,7 @@ def _code_scores(q, lanes, scale, bias, groups: int):
         dots = part if dots is None else dots + part
     dots = dots.reshape(b, h, groups, r, -1)  # [B, H, G, R, C]
     q_sum = q.reshape(b, h, r, groups, d // groups).sum(axis=-1).swapaxes(-1, -2)[..., None]  # [B, H, G, R, 1]
-    by_group = scale.swapaxes(-1, -2)[:, :, :, None], bias.swapaxes(-1, -2)[:, :, :, None]  # [B, H, G, 1, C]
-    return (dots * by_group[0] + q_sum * by_group[1]).sum(axis=2)
+    return (dots * _per_group(scale) + q_sum * _per_group(bias)).sum(axis=2)
 
 
 def _code_outputs(p, lanes, scale, bias, groups: int):
@@ -483,7 +487,7 @@ def _code_outputs(p, lanes, scale, bias, groups: int):
     b, h, r, c = p.shape
     n, width = len(lanes), lanes[0].shape[-1]
     d = n * width
-    scaled = (p[:, :, None] * scale.swapaxes(-1, -2)[:, :, :, None]).reshape(b, h, groups * r, c)
+    scaled = (p[:, :, None] * _per_group(scale)).reshape(b, h, groups * r, c)
     parts = [scaled @ lane for lane in lanes]  # each [B, H, G * R, D / n]
     acc = (parts[0][..., None] if n == 1 else mx.stack(parts, axis=-1)).reshape(b, h, groups, r, width, n)
     acc = (acc * _group_mask(groups, width, d)[:, None, :, None]).sum(axis=2)  # element i * n + j at [i, j]
