@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 from kernels import cuda_kv
+from kernels.cpu_exp import softmax_exp
 from kernels.kv_format import AFFINE, LayerFormat
 
 CHUNK_TOKENS = 4096  # history slots decoded at once by the MLX-ops path
@@ -256,7 +257,11 @@ def _attend_chunks(queries, ref, history, extra, rule, *, scale, sinks):
     streams = _cpu_streams() if length == 1 and not fmt.is_raw else (None,)
     slots = 0 if history is None else history.num_slots(ref.page_size)
     one_pass = slots <= CHUNK_TOKENS and (len(streams) == 1 or slots < 2 * PARALLEL_MIN_TOKENS)
-    if one_pass and not _packed(fmt, group * length):
+    # CPU decode always takes the chunks: their softmax exp (`softmax_exp`) is ~5x faster than the one
+    # inside SDPA's CPU fallback; one layer of the default model, 1 row x 4000 slots 2.96 -> 2.43 ms,
+    # 32 rows x ~100 slots 3.5 -> 2.1 ms (raw), 6.0 -> 2.1 ms (aura4v4).
+    cpu_decode = length == 1 and mx.default_device() == mx.cpu
+    if one_pass and not cpu_decode and not _packed(fmt, group * length):
         chunks = list(history.chunks(ref)) if history is not None else []
         return _single_pass(queries, fmt, history, chunks, extra, rule, scale=scale, sinks=sinks)
     state = None
@@ -274,7 +279,7 @@ def _attend_chunks(queries, ref, history, extra, rule, *, scale, sinks):
     if sinks is not None:
         sink = mx.repeat(sinks.astype(mx.float32).reshape(1, heads, group, 1), length, axis=2).reshape(1, heads, -1, 1)
         top = mx.maximum(m, sink)
-        l, o = l * mx.exp(m - top) + mx.exp(sink - top), o * mx.exp(m - top)
+        l, o = l * softmax_exp(m - top) + softmax_exp(sink - top), o * softmax_exp(m - top)
     out = (o / l).reshape(batch, n_heads, length, fmt.value_dim)
     return fmt.unrotate_output(out).astype(queries.dtype)
 
@@ -328,10 +333,10 @@ def history_masks(history: History, first: int, size: int, rule) -> tuple[mx.arr
 def _single_pass(queries, fmt: LayerFormat, history, chunks, extra, rule, *, scale, sinks):
     """History that fits one chunk: decode it and run `mx.fast` SDPA once with an explicit mask.
 
-    Values outside a row's live slots are zeroed (0 * NaN would reach the output). Keys there are left
-    as stored on the CPU, whose SDPA applies a boolean mask by selecting -inf for masked scores (a NaN
-    score never survives it): that skips a copy of the keys, a third of the layer's time at 32 rows of
-    ~100 tokens on 2 cores (2.5 -> 2.0 ms). Elsewhere (Metal) they are zeroed too.
+    Serves prompt chunks, and decode off the CPU (Metal). Values outside a row's live slots are zeroed
+    (0 * NaN would reach the output). Keys there are left as stored on the CPU, whose SDPA applies a
+    boolean mask by selecting -inf for masked scores (a NaN score never survives it): that skips a copy
+    of the keys. Elsewhere (Metal) they are zeroed too.
     """
     keys, values, masks = [], [], []
     zero_keys = mx.default_device() != mx.cpu
@@ -385,7 +390,7 @@ def _softmax_part(scores: mx.array, visible: mx.array, valid: mx.array | None, v
     """
     scores = mx.where(visible, scores, -mx.inf)
     m = mx.maximum(scores.max(axis=-1, keepdims=True), _NEG)
-    p = mx.exp(scores - m)
+    p = softmax_exp(scores - m)
     weights = p
     if v_scale is not None:
         weights = p * (v_scale if valid is None else mx.where(valid.swapaxes(-1, -2), v_scale, 0.0)).swapaxes(-1, -2)
@@ -419,7 +424,7 @@ def _affine_chunk(q, fmt: LayerFormat, rows: mx.array, visible: mx.array, valid:
                                      group_size=key.group_size, bits=key.bits)
     scores = mx.where(visible, scores, -mx.inf)
     m = mx.maximum(scores.max(axis=-1, keepdims=True), _NEG)
-    p = mx.exp(scores - m)
+    p = softmax_exp(scores - m)
     if _bytewise(value.bits, fmt.value_dim):
         acc = _code_outputs(p, _code_lanes(v_codes, value.bits), v_scale, v_bias, vg)
     else:
@@ -439,8 +444,9 @@ def _code_lanes(words: mx.array, bits: int) -> list[mx.array]:
     data = mx.view(mx.contiguous(words), mx.uint8)
     if bits == 8:
         return [data.astype(mx.float32)]
-    mask = (1 << bits) - 1
-    return [((data >> (j * bits)) & mask).astype(mx.float32) for j in range(8 // bits)]
+    mask, last = (1 << bits) - 1, 8 // bits - 1
+    lanes = [data & mask] + [(data >> (j * bits)) & mask for j in range(1, last)] + [data >> (last * bits)]
+    return [lane.astype(mx.float32) for lane in lanes]
 
 
 @functools.cache
@@ -499,7 +505,7 @@ def _merge(state, part):
         return part
     (m1, l1, o1), (m2, l2, o2) = state, part
     m = mx.maximum(m1, m2)
-    a, b = mx.exp(m1 - m), mx.exp(m2 - m)
+    a, b = softmax_exp(m1 - m), softmax_exp(m2 - m)
     return m, l1 * a + l2 * b, o1 * a + o2 * b
 
 

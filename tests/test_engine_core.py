@@ -206,19 +206,24 @@ def test_default_model_batch_matches_generate_alone(default_model, scheme):
 
 
 NEAR_TIE = 0.25  # logits; OpenBLAS picks its kernels by batch size and CPU, so a batch rounds unlike a row alone
+# A quantized cache turns those roundings into codes: a K/V element within rounding of a decision boundary
+# takes the next code, one quantization step away. aura4v4 parted from its row alone at gaps of 0.275 and
+# 0.313 on an AVX-512 Xeon (2026-12-05; the EPYC of earlier CI runs stayed within 0.25); raw rows stayed equal.
+NEAR_TIE_QUANTIZED = 0.5
 
 
 def assert_same_until_a_near_tie(loaded, options: CacheOptions, prompt, got: list[int], want: list[int], label: str):
     """`got == want`, or they agree up to a token where `want`'s logits (single-sequence caches, fed `want`)
-    put `got`'s choice within `NEAR_TIE` of `want`'s, either side (these logits round differently again):
-    a near tie that rounding may flip, where the two then part. The check of vLLM's `check_logprobs_close`,
+    put `got`'s choice within `NEAR_TIE` (quantized caches: `NEAR_TIE_QUANTIZED`) of `want`'s, either side
+    (these logits round differently again): a near tie that rounding may flip, where the two then part. The check of vLLM's `check_logprobs_close`,
     with the runner-up's gap in place of its logprobs."""
     k = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
     if k is None:
         return
     logits = prefill(loaded.model, make_layer_caches(loaded.model, options), prompt + want[:k], chunk=16)
     gap = float((logits[want[k]] - logits[got[k]]).astype(mx.float32).item())
-    assert abs(gap) < NEAR_TIE, f"{label}: token {k} is {got[k]}, not {want[k]}, {gap:.3f} logits below it"
+    limit = NEAR_TIE if options.scheme == "raw" else NEAR_TIE_QUANTIZED
+    assert abs(gap) < limit, f"{label}: token {k} is {got[k]}, not {want[k]}, {gap:.3f} logits below it"
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_llama):
