@@ -215,8 +215,8 @@ NEAR_TIE_QUANTIZED = 0.5
 def assert_same_until_a_near_tie(loaded, options: CacheOptions, prompt, got: list[int], want: list[int], label: str):
     """`got == want`, or they agree up to a token where `want`'s logits (single-sequence caches, fed `want`)
     put `got`'s choice within `NEAR_TIE` (quantized caches: `NEAR_TIE_QUANTIZED`) of `want`'s, either side
-    (these logits round differently again): a near tie that rounding may flip, where the two then part. The check of vLLM's `check_logprobs_close`,
-    with the runner-up's gap in place of its logprobs."""
+    (these logits round differently again): a near tie that rounding may flip, where the two then part. The
+    check of vLLM's `check_logprobs_close`, with the runner-up's gap in place of its logprobs."""
     k = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
     if k is None:
         return
