@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels.cpu_exp import exp_nonpositive
+from kernels.cpu_exp import POLY_MIN_ELEMENTS, exp_nonpositive, softmax_exp
 
 ULP = 2.0**-24  # float32 relative rounding
 
@@ -34,3 +34,11 @@ def test_masked_scores_give_exact_zero_and_zero_gives_one():
 
 def test_nan_stays_nan():
     assert np.isnan(np.array(exp_nonpositive(mx.array([np.nan], dtype=mx.float32)))).all()
+
+
+@pytest.mark.parametrize("size", [POLY_MIN_ELEMENTS - 1, POLY_MIN_ELEMENTS])
+def test_softmax_exp_matches_float64_either_side_of_its_switch(size):
+    x = -np.linspace(0.0, 30.0, size, dtype=np.float32)
+    got = np.array(softmax_exp(mx.array(x))).astype(np.float64)
+    want = np.exp(x.astype(np.float64))
+    assert np.all(np.abs(got - want) <= (4 + 1.5 * np.abs(x)) * ULP * want)
