@@ -256,13 +256,12 @@ def _attend_chunks(queries, ref, history, extra, rule, *, scale, sinks):
     # concurrent chunks would raise prefill's peak memory).
     streams = _cpu_streams() if length == 1 and not fmt.is_raw else (None,)
     slots = 0 if history is None else history.num_slots(ref.page_size)
-    one_pass = slots <= CHUNK_TOKENS and (len(streams) == 1 or slots < 2 * PARALLEL_MIN_TOKENS)
     # CPU decode always takes the chunks: from 4,096 scores their softmax exp (`softmax_exp`) is ~5x
     # faster than the one inside SDPA's CPU fallback. One layer of the default model: 1 row x 4000 slots
     # 2.96 -> 2.43 ms (raw); 32 rows x ~100 slots 3.5 -> 2.1 (raw), 6.0 -> 2.1 (aura4v4); 1 row x 300
     # (mx.exp either way) 0.32 -> 0.30 (raw), 0.51 -> 0.39 (aura4v4).
     cpu_decode = length == 1 and mx.default_device() == mx.cpu
-    if one_pass and not cpu_decode and not _packed(fmt, group * length):
+    if slots <= CHUNK_TOKENS and not cpu_decode and not _packed(fmt, group * length):
         chunks = list(history.chunks(ref)) if history is not None else []
         return _single_pass(queries, fmt, history, chunks, extra, rule, scale=scale, sinks=sinks)
     state = None
