@@ -4,7 +4,7 @@ Both run the same loaded model on the same prompt tokens, greedy, for `--repeats
 warm-up, each round's first side alternating; the medians of prefill and decode tok/s and their
 ratios (ours / mlx-lm) go to stdout and `ops/results/generate_<device>.json`.
 
-    python -m ops.bench_generate [--prompt-tokens 512] [--max-tokens 128] [--repeats 3]
+    python -m ops.bench_generate [--prompt-tokens 512] [--max-tokens 128] [--repeats 3] [--out PATH]
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="JSON path (default ops/results/generate_<device>.json)")
     args = parser.parse_args()
 
     from services.engine.cache import CacheOptions
@@ -81,9 +82,10 @@ def main() -> None:
         "mlx_lm": {"prefill_tokens_per_s": med["mlx_lm"][0], "decode_tokens_per_s": med["mlx_lm"][1]},
         "ratio": {"prefill": med["ours"][0] / med["mlx_lm"][0], "decode": med["ours"][1] / med["mlx_lm"][1]},
     }
-    RESULTS.mkdir(exist_ok=True)
     device = "gpu" if mx.default_device() == mx.gpu else "cpu"
-    (RESULTS / f"generate_{device}.json").write_text(json.dumps(result, indent=2) + "\n")
+    out = args.out or RESULTS / f"generate_{device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 
