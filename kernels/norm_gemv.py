@@ -33,11 +33,15 @@ from kernels.fused_norm import NORM_ROW, float_bits, norm_threads
 from kernels.swiglu import SIGMOID
 
 MAX_BLOCKS = 1024  # blocks past this loop over more units (each block pays one norm of the row)
+CHUNK_WORDS = 4  # most 16-byte words of each row a lane holds at once (registers: 2 rows x 16 bytes each); 4
+# against 8: qkv 6.78 against 7.43 µs, gate/up + SwiGLU 23.36 against 24.80 at llama-1b's shapes, the head
+# 0.4% slower (CUPTI on an H100, ops/results/row_gemv_gpu_2026-12-05.json); the sums' order, so every output bit,
+# does not depend on it
 UNIT_ROWS = 2  # weight rows a warp dots at once (a SwiGLU unit: a gate row and its up row)
 
 _SOURCE = r"""
   static_assert(sizeof(T) == 2 && H % 256 == 0 && NT % 32 == 0, "fp16/bf16, H in whole 256-element chunks");
-  constexpr int KW = H / 256, CH = row_chunk(KW), WPB = NT / 32;  // 16-byte words a lane takes of a row
+  constexpr int KW = H / 256, CH = row_chunk(KW, CM), WPB = NT / 32;  // 16-byte words a lane takes of a row
   static_assert(!SWI || R == 2, "a SwiGLU unit is a gate row and its up row");
   const int N = w_shape[0];
   const int units = SWI ? N / 2 : (N + R - 1) / R;
@@ -91,14 +95,17 @@ _SOURCE = r"""
   }
 """
 
-_HELPERS = r"""
-// Words of a row a lane holds at once: the largest divisor of kw up to 8 (registers: 2 rows x CH x 16 bytes).
-__host__ __device__ constexpr int row_chunk(int kw) {
-  for (int c = 8; c > 1; --c)
+_CHUNK = r"""
+// Words of a row a lane holds at once: the largest divisor of kw up to most.
+__host__ __device__ constexpr int row_chunk(int kw, int most) {
+  for (int c = most; c > 1; --c)
     if (kw % c == 0) return c;
   return 1;
 }
+"""
 
+# Packed fp16 / bf16 dot products in float32, shared with `kernels.row_gemv`.
+PACKED_DOT = r"""
 // Two packed fp16 / bf16 values as floats (low half first).
 __device__ __forceinline__ float2 unpack2(uint32_t w, __half) { return __half22float2(*reinterpret_cast<__half2*>(&w)); }
 __device__ __forceinline__ float2 unpack2(uint32_t w, __nv_bfloat16) {
@@ -122,7 +129,7 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
 
 @functools.cache
 def _kernel():
-    return cuda_kv.custom_kernel("bm_norm_gemv", _SOURCE, SIGMOID + NORM_ROW + _HELPERS,
+    return cuda_kv.custom_kernel("bm_norm_gemv", _SOURCE, SIGMOID + NORM_ROW + _CHUNK + PACKED_DOT,
                                  input_names=["x", "r", "nw", "w"], output_names=["out", "h"])
 
 
@@ -185,7 +192,7 @@ def norm_gemv(x: mx.array, residual: mx.array | None, norm_weight: mx.array, eps
     out, h = _kernel()(
         inputs=[x, x if residual is None else residual, norm_weight, weight],
         template=[("T", x.dtype), ("H", hidden), ("NT", threads), ("EPS", float_bits(eps)),
-                  ("ADD", residual is not None), ("SWI", swiglu), ("R", 2 if swiglu else UNIT_ROWS)],
+                  ("ADD", residual is not None), ("SWI", swiglu), ("R", 2 if swiglu else UNIT_ROWS), ("CM", CHUNK_WORDS)],
         grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(1, width), x.shape], output_dtypes=[x.dtype, x.dtype],
     )

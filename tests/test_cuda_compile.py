@@ -75,7 +75,7 @@ def test_compile_only_records_a_kernel_and_leaves_the_cpu_path_as_it_was():
         h, out = norm_gemv.norm_gemv(*bf16)
         assert out.shape == (1, 64) and not np.any(np.array(out.astype(mx.float32)))
     (unit,) = recorder.units.values()
-    assert unit.name == f"custom_kernel_bm_norm_gemv_bfloat16_t_256_32_{float_bits(1e-5)}_f_f_2" and unit.threads == 32
+    assert unit.name == f"custom_kernel_bm_norm_gemv_bfloat16_t_256_32_{float_bits(1e-5)}_f_f_2_{norm_gemv.CHUNK_WORDS}" and unit.threads == 32
     for line in ("using T = __nv_bfloat16;", "constexpr int H = 256;", "constexpr bool ADD = false;",
                  "const __nv_bfloat16* w,", "const __grid_constant__ Shape w_shape,", "__nv_bfloat16* out,"):
         assert line in unit.source

@@ -15,7 +15,8 @@ same launch writes k and v, coded in a compressed layer, into their tail rows), 
 launch with the RMSNorm after it (`kernels.fused_norm`), and each layer's cache
 (`PagedLayerCache`) is called directly. One row on CUDA (single-stream decode, where the host's
 launches set the pace) also folds each add and RMSNorm into the projection after it, and the
-SwiGLU into the gate/up projection (`kernels.norm_gemv`): 7 launches a layer instead of 10.
+SwiGLU into the gate/up projection (`kernels.norm_gemv`): 7 launches a layer instead of 10; its o and down
+projections stream the weights with more bytes in flight than MLX's gemv (`kernels.row_gemv`).
 
 It serves the model types whose decoder layer is mlx-lm's Llama block with fused projections
 (`model.fuse`): llama (and mistral), qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), with mlx's `nn.RoPE` or
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels import norm_gemv
+from kernels import norm_gemv, row_gemv
 from kernels.fused_norm import add_rms_norm
 from kernels.qkv_rope import RopeSpec, split_qkv_rope, split_qkv_rope_store, stores
 from kernels.skinny_gemm import serves, skinny_matmul
@@ -42,9 +43,10 @@ FAMILIES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 
 @dataclass(frozen=True, slots=True)
 class _Proj:
-    """A projection `x @ weight.T (+ bias)` of [B, in] activations: without a bias, 2 to 8 rows on CUDA in one
-    launch (`kernels.skinny_gemm`); else MLX's matmul (`addmm` with a bias) on the weight's transpose, an
-    evaluated view (shares the buffer), so no step traces a Transpose."""
+    """A projection `x @ weight.T (+ bias)` of [B, in] activations: without a bias on CUDA, one row by
+    `kernels.row_gemv` and 2 to 8 rows by `kernels.skinny_gemm`, each one launch; else MLX's matmul (`addmm`
+    with a bias) on the weight's transpose, an evaluated view (shares the buffer), so no step traces a
+    Transpose."""
 
     weight: mx.array  # [out, in], as stored
     weight_t: mx.array  # [in, out]
@@ -59,6 +61,8 @@ class _Proj:
     def __call__(self, x: mx.array) -> mx.array:
         if self.bias is not None:
             return mx.addmm(self.bias, x, self.weight_t)
+        if row_gemv.serves(x, self.weight):
+            return row_gemv.row_gemv(x, self.weight)
         return skinny_matmul(x, self.weight) if serves(x, self.weight) else x @ self.weight_t
 
 
@@ -87,8 +91,8 @@ class LeanDecoder:
     Computes what `model(tokens[:, None], cache=caches)[:, -1]` computes (same weights, same
     caches, the same operations), with fewer graph nodes; on CUDA the fused RMSNorms (after each
     residual add, and Qwen3's on q and k) sum their squares in another order, and so do projections of
-    2 to 8 half-precision rows (`kernels.skinny_gemm`, against cuBLAS) and of one (`kernels.norm_gemv`, against
-    MLX's gemv), so a value may differ in its last bit (and a bf16 model's logits by that, carried through the layers). Build it with `LeanDecoder.build`, which returns None for a model it
+    2 to 8 half-precision rows (`kernels.skinny_gemm`, against cuBLAS) and of one (`kernels.norm_gemv` and
+    `kernels.row_gemv`, against MLX's gemv), so a value may differ in its last bit (and a bf16 model's logits by that, carried through the layers). Build it with `LeanDecoder.build`, which returns None for a model it
     does not serve (other families, RoPEs other than `nn.RoPE` and Llama 3's, quantized or biased
     MLPs, weights of mixed dtypes).
     """
