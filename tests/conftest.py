@@ -15,6 +15,14 @@ import pytest  # noqa: E402
 from services.engine import attention  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
+def pytest_collection_modifyitems(items):
+    """Every test that takes the real default model carries the `model` mark, so `-m "not model"` skips it."""
+    for item in items:
+        if "default_model" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.model)
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """SmolLM2-135M-Instruct from the shipped GGUF, float32 on CPU (converted once per data dir)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+import pytest
 
 from services.engine.model.fuse import FusedLinear, FusedView, fuse_projections
 from services.engine.model.loader import load_model
@@ -14,6 +15,7 @@ def _count(model: nn.Module) -> int:
     return sum(v.size for _, v in nn.utils.tree_flatten(model.parameters()))
 
 
+@pytest.mark.model
 def test_fused_default_model_gives_the_same_logits_with_the_same_parameters():
     loaded = load_model("default")
     model, layers = loaded.model, len(loaded.model.layers)
