@@ -10,7 +10,8 @@ warps of a group split K and their sums meet in shared memory, so a short output
 still puts enough warps on every SM. float32 sums, rounded to the dtype once: MLX's gemv sums in
 another order, so an output may differ from `x @ weight.T` in its last bit.
 
-Source: the PTX ISA's `ld.global.nc` (read-only loads); the structure of MLX's
+Source: the PTX ISA's `ld.global.nc` (read-only loads) and `cp.async` (copies to shared memory that stay in
+flight until waited on, CUDA C++ Programming Guide, "Asynchronous Data Copies"); the structure of MLX's
 `mlx/backend/cuda/gemms/gemv.cu` (a warp a row, a butterfly across the warp).
 """
 
