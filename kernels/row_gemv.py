@@ -18,7 +18,7 @@ flight until waited on, CUDA C++ Programming Guide, "Asynchronous Data Copies");
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -143,23 +143,27 @@ def _kernel():
     return cuda_kv.custom_kernel("bm_row_gemv", _SOURCE, PACKED_DOT, input_names=["x", "w"], output_names=["out"])
 
 
-def serves(x: mx.array, weight: mx.array, tuning: RowTuning | None = None) -> bool:
-    """Whether `row_gemv` takes `x @ weight.T`: MLX's CUDA backend, one row, fp16/bf16 of one dtype, K a
-    multiple of 256 (times the tuning's split) and N of the rows a block covers."""
-    if x.ndim != 2 or x.shape[0] != 1 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
-        return False
-    if x.dtype not in (mx.float16, mx.bfloat16) or weight.dtype != x.dtype:
-        return False
+def launch_for(weight: mx.array, tuning: RowTuning | None = None) -> RowTuning | None:
+    """The launch `row_gemv` would make for `weight` (its `unroll` resolved to the chunk it takes), or None where
+    it takes none: MLX's CUDA backend, an [N, K] fp16/bf16 weight, K a multiple of 256 (times the tuning's split),
+    N of the rows a block covers, the ring within the static shared memory. A projection resolves it once and
+    launches with `launch` every step."""
+    if weight.ndim != 2 or weight.dtype not in (mx.float16, mx.bfloat16):
+        return None
     n, k = weight.shape
     t = tuning or default_tuning(n, k)
     if k % (STEP * t.split) or n % (t.warps // t.split * t.rows) or t.warps % t.split:
-        return False
-    ring = t.warps * t.stages * t.rows * _unroll(k // t.split // STEP, t.unroll) * 32 * 16  # bytes
-    return ring <= SHARED_BYTES and cuda_kv.is_available()
+        return None
+    steps = k // t.split // STEP
+    t = replace(t, unroll=max(u for u in range(1, min(steps, t.unroll) + 1) if steps % u == 0))
+    ring = t.warps * t.stages * t.rows * t.unroll * 32 * 16  # bytes
+    return t if ring <= SHARED_BYTES and cuda_kv.is_available() else None
 
 
-def _unroll(steps: int, most: int) -> int:
-    return max(u for u in range(1, min(steps, most) + 1) if steps % u == 0)
+def serves(x: mx.array, weight: mx.array, tuning: RowTuning | None = None) -> bool:
+    """Whether `row_gemv` takes `x @ weight.T`: one row of the weight's dtype and a launch (`launch_for`)."""
+    one_row = x.ndim == 2 and x.shape[0] == 1 and weight.ndim == 2 and x.shape[1] == weight.shape[1]
+    return one_row and x.dtype == weight.dtype and launch_for(weight, tuning) is not None
 
 
 def row_gemv(x: mx.array, weight: mx.array, tuning: RowTuning | None = None) -> mx.array:
@@ -180,11 +184,15 @@ def row_gemv(x: mx.array, weight: mx.array, tuning: RowTuning | None = None) -> 
         raise ValueError(f"row_gemv takes [1, K] @ [N, K].T in fp16/bf16 on CUDA, K a multiple of {STEP} times the "
                          f"split and N of the rows a block covers; got {x.shape} {x.dtype} and {weight.shape} "
                          f"{weight.dtype} ({tuning})")
+    return launch(x, weight, launch_for(weight, tuning))
+
+
+def launch(x: mx.array, weight: mx.array, t: RowTuning) -> mx.array:
+    """`row_gemv` without its checks, for a caller that resolved `t = launch_for(weight)` once: x must be [1, K]
+    of the weight's dtype. Returns [1, N] in that dtype."""
     n, k = weight.shape
-    t = tuning or default_tuning(n, k)
-    unroll = _unroll(k // t.split // STEP, t.unroll)
     (out,) = _kernel()(inputs=[x, weight],
-                       template=[("T", x.dtype), ("K", k), ("W", t.warps), ("S", t.split), ("R", t.rows), ("U", unroll),
+                       template=[("T", x.dtype), ("K", k), ("W", t.warps), ("S", t.split), ("R", t.rows), ("U", t.unroll),
                                  ("P", t.stages)],
                        grid=(n // t.rows * t.split * 32, 1, 1), threadgroup=(32 * t.warps, 1, 1),
                        output_shapes=[(1, n)], output_dtypes=[x.dtype])

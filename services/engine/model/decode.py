@@ -51,18 +51,19 @@ class _Proj:
     weight: mx.array  # [out, in], as stored
     weight_t: mx.array  # [in, out]
     bias: mx.array | None
+    row: row_gemv.RowTuning | None  # the one-row launch, resolved once (None: MLX's gemv)
 
     @classmethod
     def of(cls, weight: mx.array, bias: mx.array | None = None) -> _Proj:
         t = weight.T
         mx.eval(t)
-        return cls(weight, t, bias)
+        return cls(weight, t, bias, row_gemv.launch_for(weight) if bias is None else None)
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.bias is not None:
             return mx.addmm(self.bias, x, self.weight_t)
-        if row_gemv.serves(x, self.weight):
-            return row_gemv.row_gemv(x, self.weight)
+        if self.row is not None and x.shape[0] == 1 and x.dtype == self.weight.dtype:
+            return row_gemv.launch(x, self.weight, self.row)
         return skinny_matmul(x, self.weight) if serves(x, self.weight) else x @ self.weight_t
 
 
