@@ -4,8 +4,11 @@ it accepted (item 2). The engine service is driven without sockets (frames are c
 
 from __future__ import annotations
 
+import contextlib
 import time
+from unittest import mock
 
+import mlx.core as mx
 import pytest
 
 from services.engine.cache import CacheOptions, Window
@@ -65,8 +68,12 @@ class Captured:
         self.messages.append(p.decode(frame))
 
 
-def service(tiny_llama, slots: int = 1, **kwargs) -> EngineService:
-    core = make_core(tiny_loaded(tiny_llama), max_slots=slots, step_token_budget=32)
+def service(tiny_llama, slots: int = 1, *, tail: bool | None = None, **kwargs) -> EngineService:
+    """An engine service over the tiny model; `tail`: build its cache on the GPU's path (a tail pool: windows
+    launched ahead) or the CPU's (steps read back before the next launch) whatever device runs the test."""
+    device = mx.Device(mx.gpu if tail else mx.cpu, 0)
+    with mock.patch.object(mx, "default_device", lambda: device) if tail is not None else contextlib.nullcontext():
+        core = make_core(tiny_loaded(tiny_llama), max_slots=slots, step_token_budget=32)
     geometry = p.Geometry(slots=slots, capacity_tokens=2048, bytes_per_token=1, kv_cache="raw", max_context=4096)
     hello = p.Hello(engine_id="e0", epoch=0, geometry=geometry)
     return EngineService(core, hello, EngineAddresses("inproc://a", "inproc://b", "inproc://c"), **kwargs)
@@ -118,8 +125,9 @@ class _IO:
 def loop_with_arrivals(tiny_llama, arrivals: list, slots: int = 1) -> tuple[Stop, Captured, list[set[str]]]:
     """Run the service's main loop on request "a"; put `arrivals` in its inbox just after the second read-back.
 
-    Returns the loop's Stop, the engine-out messages, and the requests each launch scheduled."""
-    svc, out, relay = service(tiny_llama, slots), Captured(), Captured()
+    The engine reads each step back before the next launch (no windows ahead), on any device. Returns the
+    loop's Stop, the engine-out messages, and the requests each launch scheduled."""
+    svc, out, relay = service(tiny_llama, slots, tail=False), Captured(), Captured()
     core, launched, reads = svc.core, [], []
     collect, launch = core.collect, core.launch
 
@@ -133,7 +141,7 @@ def loop_with_arrivals(tiny_llama, arrivals: list, slots: int = 1) -> tuple[Stop
 
     def recorded_launch():
         outputs = launch()
-        plan = core._in_flight[0] if core._in_flight else None
+        plan = core._in_flight[-1][0] if core._in_flight else None
         launched.append({r.request_id for r in plan.sampling} if plan else set())
         return outputs
 
@@ -158,3 +166,35 @@ def test_a_request_that_arrives_during_a_step_joins_the_next_launch(tiny_llama):
     stop, out, launched = loop_with_arrivals(tiny_llama, [generate("b", max_tokens=4), Stop(0, "test")], slots=2)
     assert stop.status == 0 and launched[:2] == [{"a"}, {"a", "b"}]
     assert finishes(out)["b"].reason == "length"
+
+
+def test_the_loop_launches_windows_ahead_and_publishes_every_token_in_order(tiny_llama):
+    """On the GPU's path the loop launches the next window before the last is read back; a request that
+    arrives meanwhile joins after the window in flight; every token reaches engine-out once, in order."""
+    svc, out, relay = service(tiny_llama, 2, tail=True), Captured(), Captured()
+    core, ahead, reads = svc.core, [], []
+    run, collect = core.runner.run, core.collect
+
+    def counted(plan, ahead_of=None):
+        ahead.append(ahead_of is not None)
+        return run(plan, ahead_of)
+
+    def collect_then_arrive():
+        outputs = collect()
+        reads.append(1)
+        if len(reads) in (3, 6):
+            svc.inbox.put(generate("b", max_tokens=20) if len(reads) == 3 else Stop(0, "test"))
+        return outputs
+
+    core.runner.run, core.collect = counted, collect_then_arrive
+    svc.inbox.put(generate("a", max_tokens=40))
+    assert svc._loop(out, relay, _IO()).status == 0
+    said = {"a": [], "b": []}
+    for message in out.messages:
+        for chunk in getattr(message, "chunks", []):
+            assert chunk.index == len(said[chunk.id])
+            said[chunk.id] += chunk.token_ids
+    options = core.options
+    assert said == {"a": greedy(tiny_llama, options, [1, 2, 3], 40), "b": greedy(tiny_llama, options, [1, 2, 3], 20)}
+    assert {k: m.reason for k, m in finishes(out).items()} == {"a": "length", "b": "length"}
+    assert sum(ahead) >= 2 and not svc.running

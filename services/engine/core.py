@@ -13,6 +13,7 @@ is computed by the time its launch returns, so the same call reads it back (then
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -136,7 +137,7 @@ class EngineCore:
         fuse_projections(loaded.model)  # in place: one matmul for q/k/v and for gate/up (fewer launches)
         self.runner = ModelRunner(loaded.model, self.cache)
         self._check_geometry()
-        self._in_flight: tuple[StepPlan, Launch] | None = None
+        self._in_flight: deque[tuple[StepPlan, Launch]] = deque()  # oldest first; two when one ran ahead
         self.run_ahead = self.cache.use_tail if run_ahead is None else run_ahead
         self._aborts: set[str] = set()
 
@@ -190,29 +191,47 @@ class EngineCore:
         held, active = self.scheduler.close_session(session_id)
         if active is not None:
             self.abort([active.request_id])
-        elif held and self._in_flight is None:
+        elif held and not self._in_flight:
             self.runner.drain()
         return held
 
     @property
     def in_flight(self) -> bool:
         """Whether a launched step awaits its read-back (with `run_ahead`, between calls of `step()`)."""
-        return self._in_flight is not None
+        return bool(self._in_flight)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._aborts)
+        return self.scheduler.has_unfinished() or bool(self._in_flight) or bool(self._aborts)
 
     def step(self) -> list[RequestOutput]:
-        """Read back the previous step, launch the next; return what the previous produced (plus aborts, failures).
+        """Launch the next step ahead where it can (`launch_ahead`), read back the oldest in flight, launch the
+        next if none runs; return what the read-back produced (plus aborts, failures).
 
-        The same as `collect()` then `launch()`; a caller that takes in requests or sends tokens between the two
-        (the engine service) lets a request that arrived while the step in flight ran join the very next one,
-        and its clients hear their tokens before the next step's launch, not after it."""
-        return self.collect() + self.launch()
+        A caller that takes in requests or sends tokens between the read-back and the launch (the engine
+        service) lets a request that arrived while the step in flight ran join the very next one, and its
+        clients hear their tokens before the next step's launch, not after it."""
+        outputs = self.launch_ahead() + self.collect()
+        return outputs + (self.launch() if not self._in_flight else [])
 
     def collect(self) -> list[RequestOutput]:
-        """Wait for the step in flight (if any), read it back and apply aborts; return what they produced."""
+        """Wait for the oldest step in flight (if any), read it back and apply aborts; return what they produced."""
         return self._read_back()
+
+    @property
+    def can_launch_ahead(self) -> bool:
+        """Whether the next decode window may launch before the one in flight is read back: one decode window
+        in flight, no prompt waiting or part-computed, steps that run ahead of the host (`run_ahead`) on a tail
+        pool without recurrent state (`ModelRunner.can_run_ahead`). Then the GPU goes from one window to the next
+        without waiting for the host's read-back and launch (the window's EOS is not known yet: rows that
+        ended in it compute one window more, whose tokens `Scheduler.update` drops)."""
+        if len(self._in_flight) != 1 or not self.run_ahead or not self.runner.can_run_ahead:
+            return False
+        plan, launch = self._in_flight[0]
+        return bool(launch.window_ids) and not plan.prefills and self.scheduler.decodes_only
+
+    def launch_ahead(self) -> list[RequestOutput]:
+        """`launch()` the next step if `can_launch_ahead`, else nothing; returns what `launch()` returns."""
+        return self.launch() if self.can_launch_ahead else []
 
     def launch(self) -> list[RequestOutput]:
         """Apply aborts, schedule and launch the next step; return the aborted and failed requests (and, without
@@ -223,25 +242,28 @@ class EngineCore:
         prompt's first token by a whole decode window).
 
         Raises:
-            RuntimeError: if a step is still in flight (`collect()` it first).
+            RuntimeError: if a step is still in flight and `can_launch_ahead` does not hold (`collect()` it first).
         """
-        if self._in_flight is not None:
-            raise RuntimeError("launch() with a step in flight: collect() it first")
+        ahead_of = None
+        if self._in_flight:
+            if not self.can_launch_ahead:
+                raise RuntimeError("launch() with a step in flight: collect() it first")
+            ahead_of = self._in_flight[0][1]
         outputs = self._apply_aborts()  # those that came after the read-back are not scheduled
         plan = self.scheduler.schedule()
         outputs += [self._output(r, []) for r in plan.failed]
         if plan.has_work:
-            self._in_flight = (plan, self.runner.run(plan))
+            self._in_flight.append((plan, self.runner.run(plan, ahead_of)))
             if not self.run_ahead:
                 outputs += self._read_back()
                 self.runner.drain()  # pages the step's finished requests released return now
-        else:
+        elif not self._in_flight:
             self.runner.drain()
         return outputs
 
     def _read_back(self) -> list[RequestOutput]:
-        """Collect the step in flight (if any) and apply aborts: what they finished or produced."""
-        previous, self._in_flight = self._in_flight, None
+        """Collect the oldest step in flight (if any) and apply aborts: what they finished or produced."""
+        previous = self._in_flight.popleft() if self._in_flight else None
         sampled = self.runner.collect(previous[1]) if previous else {}
         outputs = self._apply_aborts()
         if previous:

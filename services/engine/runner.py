@@ -5,7 +5,10 @@ steps over every running stream (rows of different lengths, one token each per s
 window's steps are launched back to back, each fed the previous step's sampled tokens on the
 device, so the host builds and launches step n+1 while the GPU computes step n; the host
 waits once per window. The steps write a small tail pool (`cache.decode_window`), because a
-step may write the main pools in place only when nothing launched still reads them.
+step may write the main pools in place only when nothing launched still reads them. The next
+window of decode rows may launch before the last is read back (`run(plan, ahead_of=...)`,
+`EngineCore.launch_ahead`): the last window's tail pages go home first, in stream order, and its
+last step's tokens feed the new one on the device, so the GPU never waits for the read-back.
 
 The decode step is traced with `mx.compile` and replayed: building every layer's graph in
 Python each step is what bounds a GPU's decode rate at small batches; for Llama-style models the
@@ -47,6 +50,8 @@ class Launch:
     prefill_tokens: list[tuple[str, mx.array]] = field(default_factory=list)  # request id, uint32 [1]
     window_ids: list[str] = field(default_factory=list)  # decode rows, in batch order
     window_tokens: list[mx.array] = field(default_factory=list)  # per step, uint32 [B]
+    window_stack: mx.array | None = None  # uint32 [N, B], evaluated with the last step (read back alone)
+    tail_home: bool = False  # its tail pages were copied home by the next launch (launched ahead)
     window_arrays: WindowArrays | None = None  # its index arrays: the tail's rows to copy back
     window_start: WindowStart | None = None  # the rows' recurrent state before the window (hybrids)
     window_states: list[mx.array] = field(default_factory=list)  # the rows' recurrent state after it
@@ -84,12 +89,31 @@ class ModelRunner:
         self._step = mx.compile(self._window_step)  # traced once per shape (rows, pages read), then replayed
         self._window_start: WindowStart | None = None  # the last collected window's (hybrids)
 
-    def run(self, plan: StepPlan) -> Launch:
+    @property
+    def can_run_ahead(self) -> bool:
+        """Whether a decode window may launch before the one in flight is read back (`run(plan, ahead_of=...)`):
+        steps that write a tail pool (a GPU) and no recurrent state (a hybrid's next window would read its
+        rows' state before the last window's is written back)."""
+        return self.cache.use_tail and not self.cache.state_arrays
+
+    def run(self, plan: StepPlan, ahead_of: Launch | None = None) -> Launch:
         """Build and launch every forward of a step; nothing is waited for after the last launch.
+
+        Args:
+            plan (StepPlan): The scheduled step.
+            ahead_of (Launch | None): The decode window still in flight (not read back), when this step is
+                launched ahead of it (`can_run_ahead`; a plan of decode rows only): its tail pages are copied
+                home first, in stream order, and its rows' last tokens feed this window on the device.
 
         Raises:
             CapacityExhausted: only if the plan asks for pages the scheduler did not reserve.
+            ValueError: `ahead_of` with prompt chunks in either step, or where steps cannot run ahead.
         """
+        if ahead_of is not None:
+            if plan.prefills or ahead_of.prefill_tokens or not ahead_of.window_ids or not self.can_run_ahead:
+                raise ValueError("only a decode window runs ahead of a decode window, on a tail pool without state")
+            self.cache.copy_from_tail(ahead_of.window_arrays)  # ordered after its steps by the stream
+            ahead_of.tail_home = True
         launch = Launch(step_id=self.cache.slots.launch_step())
         if self._window_start is not None:  # before any forward reads the state pool
             self._window_start.restore(self.cache)
@@ -97,7 +121,7 @@ class ModelRunner:
         for chunk in plan.prefills:
             self._prefill(chunk, launch)
         if plan.decodes:
-            self._window(plan.decodes, plan.steps, launch)
+            self._window(plan.decodes, plan.steps, launch, ahead_of)
         return launch
 
     def collect(self, launch: Launch) -> dict[str, list[int]]:
@@ -106,10 +130,14 @@ class ModelRunner:
         Returns:
             dict[str, list[int]]: the tokens sampled for each request of the step, in order.
         """
+        if launch.tail_home:  # the next window is in flight: wait for this one's tokens alone
+            steps = np.array(launch.window_stack).tolist()  # [N, B]
+            self.cache.slots.complete_step(launch.step_id)
+            return {rid: [step[row] for step in steps] for row, rid in enumerate(launch.window_ids)}
         mx.synchronize()
         sampled = {rid: [int(token.item())] for rid, token in launch.prefill_tokens}
         if launch.window_tokens:
-            steps = np.array(mx.stack(launch.window_tokens)).tolist()  # [N, B]
+            steps = np.array(launch.window_stack).tolist()  # [N, B]
             for row, rid in enumerate(launch.window_ids):
                 sampled[rid] = [step[row] for step in steps]
             self.cache.copy_from_tail(launch.window_arrays)  # in place: nothing is in flight
@@ -147,8 +175,9 @@ class ModelRunner:
             outputs.append(token)
         mx.async_eval(*outputs, *self.cache.arrays, *self.cache.state_arrays)
 
-    def _window(self, requests: tuple[Request, ...], num_steps: int, launch: Launch) -> None:
-        """Launch `num_steps` decode steps over `requests`, each fed the last one's tokens."""
+    def _window(self, requests: tuple[Request, ...], num_steps: int, launch: Launch, ahead_of: Launch | None) -> None:
+        """Launch `num_steps` decode steps over `requests`, each fed the last one's tokens (the first, those
+        of the window `ahead_of` where a row was in it)."""
         cache = self.cache
         starts = np.array([r.slot.num_tokens for r in requests], np.int64)
         plans = cache.plan_window([r.slot for r in requests], num_steps)
@@ -158,7 +187,7 @@ class ModelRunner:
         states = cache.read_window_states(views)
         if states:
             launch.window_start = WindowStart(views, tuple(int(s) for s in starts), states)
-        tokens = mx.array([r.output_token_ids[-1] for r in requests], dtype=mx.uint32)
+        tokens = _first_tokens(requests, ahead_of)
         for step in arrays.steps:
             if not cache.use_tail:
                 mx.synchronize()  # the step writes the main pools: in place only once the last step is done
@@ -166,7 +195,11 @@ class ModelRunner:
             (cache.replace_tail_arrays if cache.use_tail else cache.replace_arrays)(written)
             tokens = self._sample(logits, requests)
             launch.window_tokens.append(tokens)
-            mx.async_eval(tokens, *written, *states)
+            if len(launch.window_tokens) == len(arrays.steps):  # read back alone: no later work waited for
+                launch.window_stack = mx.stack(launch.window_tokens)
+                mx.async_eval(launch.window_stack, tokens, *written, *states)
+            else:
+                mx.async_eval(tokens, *written, *states)
         launch.window_ids = [r.request_id for r in requests]
         launch.window_arrays, launch.window_states = arrays, states
 
@@ -191,3 +224,18 @@ class ModelRunner:
         if request.request_id not in self._samplers:
             self._samplers[request.request_id] = RequestSampler(request.params)
         return self._samplers[request.request_id]
+
+
+def _first_tokens(requests: tuple[Request, ...], ahead_of: Launch | None) -> mx.array:
+    """uint32 [B]: each row's newest token, taken on the device from the last step of the window in flight
+    (`ahead_of`) for its rows, else from what was read back."""
+    ids = [r.request_id for r in requests]
+    if ahead_of is not None and ids == ahead_of.window_ids:
+        return ahead_of.window_tokens[-1]
+    rows = {rid: i for i, rid in enumerate(ahead_of.window_ids)} if ahead_of is not None else {}
+    host = mx.array([0 if r.request_id in rows else r.output_token_ids[-1] for r in requests], dtype=mx.uint32)
+    if not rows:
+        return host
+    picked = np.array([rows.get(rid, -1) for rid in ids], np.int32)
+    from_window = mx.take(ahead_of.window_tokens[-1], mx.array(np.maximum(picked, 0)))
+    return mx.where(mx.array(picked >= 0), from_window, host)

@@ -193,10 +193,15 @@ class Scheduler:
         prefills = self._schedule_prefills(self.step_token_budget - len(decodes))
         return StepPlan(prefills=tuple(prefills), decodes=tuple(decodes), failed=tuple(failed), steps=steps)
 
+    @property
+    def decodes_only(self) -> bool:
+        """No prompt waits or is part-computed: the next step is a decode window of every running stream."""
+        return not self.waiting and not any(r.is_prefill for r in self.running)
+
     def _window_steps(self) -> int:
         """Decode steps this step: a window while no prompt waits, capped by every row's remaining
         tokens and by the free pages (else one step, and rows that cannot grow fail as usual)."""
-        if self.waiting or any(r.is_prefill for r in self.running):
+        if not self.decodes_only:
             return 1
         remaining = [r.max_tokens - r.num_output_tokens - r.num_pending_outputs for r in self.running]
         steps = max(1, min([self.decode_window, *[n for n in remaining if n > 0]]))

@@ -4,12 +4,14 @@ MLX steps block, so (as in vLLM's `EngineCoreProc`) the sockets live on their ow
 `EngineIO` decodes what the gateway and the controller send into a `queue.Queue`, sends HELLO
 and heartbeats on its own schedule (so a long step never looks like death), and relays the
 main thread's controller-bound frames. The main thread owns the engine-out PUSH socket and the
-`EngineCore`: drain the inbox → `collect()` (read back the step in flight) → publish its tokens
-and finishes → drain again → `launch()` the next step. Between the read-back and the launch the
-GPU has nothing to do anyway, so the tokens leave a launch sooner (launching a decode window
-takes the host milliseconds) and a request that arrived while the step ran joins the next one
-(taken in only before the read-back, it waited a whole step more than in process: measured on an
-H200, `ops/results/pipeline_trace_gpu_2026-12-04.json`).
+`EngineCore`: drain the inbox → `launch_ahead()` (the next decode window of the same streams, where
+no prompt waits: the GPU goes from window to window) → `collect()` (read back the oldest step in
+flight) → publish its tokens and finishes → drain again → `launch()` the next step if none runs.
+Otherwise between the read-back and the launch the GPU has nothing to do anyway, so the tokens leave
+a launch sooner (launching a decode window takes the host milliseconds) and a request that arrived
+while the step ran joins the next one (taken in only before the read-back, it waited a whole step
+more than in process: measured on an H200, `ops/results/pipeline_trace_gpu_2026-12-04.json`); while
+windows run ahead it joins after the window in flight.
 
 Every accepted request ends: one still waiting for a slot or pages after `wait_timeout_s`
 ends with `queue_timeout` (refused: a session is unchanged). `stop()` drains: new requests
@@ -278,11 +280,13 @@ class EngineService:
             if self.core.has_unfinished() or self._needs_fence:
                 # An idle step passes the cache's fence, so a closed session's pages return now.
                 self._needs_fence = False
-                # Tokens go out before the next launch (the host's launch of a decode window takes
+                # A decode window of the same streams launches before the read-back (the GPU goes on);
+                # else tokens go out before the next launch (the host's launch of a decode window takes
                 # milliseconds), and requests that arrived while the GPU ran the last step join the next.
+                self._publish(self.core.launch_ahead(), out, relay)
                 self._publish(self.core.collect(), out, relay)
                 held = self._drain(out, block=False)
-                if held is None or (held.status == 0 and self.running):  # else the loop's top returns
+                if not self.core.in_flight and (held is None or (held.status == 0 and self.running)):
                     self._publish(self.core.launch(), out, relay)
             if time.monotonic() >= self._next_snapshot:
                 io.snapshot = self._snapshot()

@@ -298,13 +298,14 @@ class BatchedKVCache:
         self._move_pages(arrays.to_tail, to_tail=True)
 
     def copy_from_tail(self, arrays: WindowArrays) -> None:
-        """Copy a finished window's tail pages back to their pages (in place: nothing may still read them).
+        """Copy a window's tail pages back to their pages, after its steps and before the next window's copy
+        into the tail (the runner calls it after waiting for the window, or launching the next one ahead).
 
-        Call it with nothing in flight (the runner does, after waiting for the window): a lean CUDA
-        step writes the tail in place (`kernels.qkv_rope.split_qkv_rope_store`), which MLX does not see,
-        so a copy evaluated in the same graph as that step would not be ordered after its write. On CUDA
-        the copy is one launch per window rule, in place (`kernels.pool_move`), evaluated here on its own:
-        a host read of a pool after it must wait for the stream (`mx.synchronize`).
+        A lean CUDA step writes the tail in place (`kernels.qkv_rope.split_qkv_rope_store`), which MLX does
+        not see, so a copy evaluated in the same graph as that step would not be ordered after its write. On
+        CUDA the copy is one launch per window rule, in place (`kernels.pool_move`), evaluated here on its own,
+        so the stream orders it after the window's steps: a host read of a pool after it must wait for the
+        stream (`mx.synchronize`). Elsewhere it is MLX's scatter, ordered by its data.
         """
         self._move_pages(arrays.from_tail, to_tail=False)
 

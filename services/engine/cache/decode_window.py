@@ -8,9 +8,10 @@ copied into tail pages; during the window attention reads the main pages plus th
 pages (page ids >= num_pages in the page table name tail pages), and each step's write lands
 in the small tail pool (in place, by the q/k/v kernel, in a lean CUDA step:
 `kernels.qkv_rope.split_qkv_rope_store`; else by a scatter, whose copy of the pool, at worst,
-costs little); after the window (the engine has waited for it), the tail pages are copied back,
-in place. The host therefore launches
-step n+1 while step n runs, without ever waiting inside a window.
+costs little); after the window the tail pages are copied back, in place: once the engine has
+waited for it, or, where the next window is launched ahead of the read-back, by that launch, in
+stream order before the next window's copy into the tail. The host therefore launches step n+1
+while step n runs, without ever waiting inside a window.
 
 Everything here is index math in numpy, built once per window for all N steps.
 """
