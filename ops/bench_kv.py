@@ -271,7 +271,7 @@ def interleaved_rates(loaded, context: int, args) -> dict[str, dict]:
             if not core.has_unfinished():
                 continue
             begin = time.perf_counter()
-            outputs = core.step()  # launches the next window (run ahead: after collecting the last)
+            outputs = core.step()  # launches the next window (run ahead: before or after collecting the last)
             mx.synchronize()  # ... and waits for it: the next engine starts on an idle GPU
             seconds = time.perf_counter() - begin
             tokens = sum(len(out.new_token_ids) for out in outputs)

@@ -208,7 +208,9 @@ def core_level(core, workload: Workload, concurrency: int) -> list[RequestRecord
 
     for client in range(concurrency):
         send(client)
-    while core.has_unfinished():  # as the engine service steps: read back, take in, launch
+    while core.has_unfinished():  # as the engine service steps: launch ahead, read back, take in, launch
+        take(core.launch_ahead())
         take(core.collect())
-        take(core.launch())
+        if not core.in_flight:
+            take(core.launch())
     return list(records.values())

@@ -1,9 +1,11 @@
 """Decode windows launched ahead of the read-back (`EngineCore.launch_ahead`): the GPU's order.
 
-On a CPU the engine takes the GPU's path (a tail pool, so windows may run ahead) when its cache is
-built with a GPU as the default device; its steps then run in order anyway, so these tests check
-the bookkeeping (tokens fed on the device, tail pages copied home in order, EOS found a window late,
-aborts, sessions, the fence), which a GPU's run shares, against plain greedy loops.
+On a CPU the engine takes the GPU's path (a tail pool) when its cache is built with a GPU as the
+default device, and these tests let its windows run ahead although its tail moves are MLX scatters
+(ordered by their data; the engine itself runs ahead only with CUDA's in-place moves, which the
+stream orders): they check the bookkeeping (tokens fed on the device, tail pages copied home in
+order, EOS found a window late, aborts, sessions, the fence), which a GPU's run shares, against
+plain greedy loops.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ def ahead_core(monkeypatch):
             if not cuda_kv.is_available():
                 patch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu, 0))
             core = make_core(tiny_loaded(model, eos=eos), **kwargs)
+        if not cuda_kv.is_available():  # MLX's scatters move the tail pages here, ordered by their data
+            assert not core.runner.can_run_ahead
+            core.runner.can_run_ahead = True
         assert core.cache.use_tail and core.runner.can_run_ahead
         run, core.ahead, core.prefilled = core.runner.run, [], []
 
@@ -143,3 +148,20 @@ def test_steps_are_read_back_before_the_next_launch_without_a_tail_pool(tiny_lla
         core.step()
         assert not core.can_launch_ahead and core.launch_ahead() == []
     assert_all_free(core)
+
+
+def test_a_tail_pool_moved_by_scatters_or_a_session_on_a_sliding_window_reads_back_first(tiny_llama, monkeypatch):
+    """Scatter moves (no CUDA) would copy whole pools the window in flight reads; a session's turn on a ring
+    could lose its history (its end is found a window late): both read each window back before the next."""
+    with monkeypatch.context() as patch:
+        patch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu, 0))
+        core = make_core(tiny_loaded(tiny_llama), window=Window(8, 2), page_size=4, decode_window=4)
+    assert core.cache.use_tail and core.cache.moves_in_place == cuda_kv.is_available()
+    assert core.runner.can_run_ahead == cuda_kv.is_available()
+    core.runner.can_run_ahead = True  # as on CUDA
+    prompt = random_prompts([9], seed=25)[0]
+    core.add_request(Request("t", prompt, SamplingParams(max_tokens=30), session_id="s"))
+    core.add_request(Request("u", prompt, SamplingParams(max_tokens=30)))
+    while core.has_unfinished():
+        core.step()
+        assert not core.can_launch_ahead or "t" not in core.scheduler.requests

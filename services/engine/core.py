@@ -6,7 +6,9 @@ also call apart, taking in requests in between): the previous step's tokens are 
 (pure), and the runner builds and launches the step's forwards — a decode window of several
 steps when no prompt waits — without waiting. On a GPU (`run_ahead`) a step's tokens come out of
 the following `step()` call, and the GPU computes while the caller handles what `step()`
-returned; `has_unfinished()` stays true until they have come out. On the CPU a decode window
+returned; `has_unfinished()` stays true until they have come out. While only decode rows run,
+`step()` launches the next window before reading the last one back (`launch_ahead()`), so the
+GPU goes from window to window without waiting for the host. On the CPU a decode window
 is computed by the time its launch returns, so the same call reads it back (then the next
 `step()` has nothing in flight): its tokens, a prompt's first one above all, are not held back.
 """
@@ -139,6 +141,7 @@ class EngineCore:
         self._check_geometry()
         self._in_flight: deque[tuple[StepPlan, Launch]] = deque()  # oldest first; two when one ran ahead
         self.run_ahead = self.cache.use_tail if run_ahead is None else run_ahead
+        self._ring_windows = any(w is not None for w in self.cache.windows)
         self._aborts: set[str] = set()
 
     def _check_geometry(self) -> None:
@@ -223,10 +226,14 @@ class EngineCore:
         in flight, no prompt waiting or part-computed, steps that run ahead of the host (`run_ahead`) on a tail
         pool without recurrent state (`ModelRunner.can_run_ahead`). Then the GPU goes from one window to the next
         without waiting for the host's read-back and launch (the window's EOS is not known yet: rows that
-        ended in it compute one window more, whose tokens `Scheduler.update` drops)."""
+        ended in it compute one window more, whose tokens `Scheduler.update` drops). Not for a session's turn
+        on a sliding-window model: positions launched past a turn's end can be cut from a ring only until it
+        wraps (`SlotTable.truncation_point`), and one window more would often lose the session's whole cache."""
         if len(self._in_flight) != 1 or not self.run_ahead or not self.runner.can_run_ahead:
             return False
         plan, launch = self._in_flight[0]
+        if self._ring_windows and any(r.session_id is not None for r in plan.decodes):
+            return False  # a turn's end found a window late: a wrapped ring could not keep its history
         return bool(launch.window_ids) and not plan.prefills and self.scheduler.decodes_only
 
     def launch_ahead(self) -> list[RequestOutput]:

@@ -88,13 +88,11 @@ class ModelRunner:
         self._lean = LeanDecoder.build(model)  # None: the model's own forward traces the step
         self._step = mx.compile(self._window_step)  # traced once per shape (rows, pages read), then replayed
         self._window_start: WindowStart | None = None  # the last collected window's (hybrids)
-
-    @property
-    def can_run_ahead(self) -> bool:
-        """Whether a decode window may launch before the one in flight is read back (`run(plan, ahead_of=...)`):
-        steps that write a tail pool (a GPU) and no recurrent state (a hybrid's next window would read its
-        rows' state before the last window's is written back)."""
-        return self.cache.use_tail and not self.cache.state_arrays
+        # Whether a decode window may launch before the one in flight is read back (`run(plan, ahead_of=...)`):
+        # tail moves in place, ordered by the stream (MLX's CUDA backend; a scatter would copy whole pools the
+        # window in flight still reads), and no recurrent state (the next window would read its rows' state
+        # before the last window's is written back).
+        self.can_run_ahead = cache.moves_in_place and not cache.state_arrays
 
     def run(self, plan: StepPlan, ahead_of: Launch | None = None) -> Launch:
         """Build and launch every forward of a step; nothing is waited for after the last launch.

@@ -309,24 +309,35 @@ class BatchedKVCache:
         """
         self._move_pages(arrays.from_tail, to_tail=False)
 
+    @property
+    def moves_in_place(self) -> bool:
+        """Whether tail-page moves are `kernels.pool_move` launches (MLX's CUDA backend), in place and ordered by
+        the stream, rather than MLX scatters, which copy a whole pool while launched work still reads it."""
+        return self.use_tail and all(pool_move.serves(*pairs) for rule in self.windows
+                                     for pairs in self._move_launches(rule, to_tail=True))
+
+    def _move_launches(self, rule, *, to_tail: bool) -> list[tuple[list[mx.array], list[mx.array]]]:
+        """(sources, targets) pool lists of one window rule's layers, `pool_move.MAX_PAIRS` pairs a launch."""
+        layers = [i for i, spec in enumerate(self.layers) if spec.window == rule]
+        main = [a for i in layers for a in self.storage.pools[i]]
+        tail = [a for i in layers for a in self.tail.pools[i]]
+        sources, targets = (main, tail) if to_tail else (tail, main)
+        step = pool_move.MAX_PAIRS
+        return [(sources[k : k + step], targets[k : k + step]) for k in range(0, len(sources), step)]
+
     def _move_pages(self, moves: Sequence[tuple[mx.array, mx.array] | None], *, to_tail: bool) -> None:
         """Per window rule (`windows` order), rows `moves[rule][0]` of each of its layers' main (`to_tail`) or
         tail pools into rows `moves[rule][1]` of the other (int32 [m] each; None: nothing to move)."""
         for rule, rows in zip(self.windows, moves):
             if rows is None:
                 continue
-            layers = [i for i, spec in enumerate(self.layers) if spec.window == rule]
-            main = [a for i in layers for a in self.storage.pools[i]]
-            tail = [a for i in layers for a in self.tail.pools[i]]
-            sources, targets = (main, tail) if to_tail else (tail, main)
-            step = pool_move.MAX_PAIRS
-            launches = [(sources[k : k + step], targets[k : k + step]) for k in range(0, len(sources), step)]
+            launches = self._move_launches(rule, to_tail=to_tail)
             if all(pool_move.serves(*pairs) for pairs in launches):
                 for pairs in launches:  # each evaluated alone (kernels.pool_move)
                     mx.async_eval(pool_move.move_rows(*pairs, *rows))
                 continue
             source, target = (self.storage, self.tail) if to_tail else (self.tail, self.storage)
-            for i in layers:
+            for i in (i for i, spec in enumerate(self.layers) if spec.window == rule):
                 target.pools[i] = pool_rows.move(source.pools[i], rows[0], target.pools[i], rows[1])
 
     @property
