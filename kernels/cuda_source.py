@@ -486,10 +486,16 @@ __device__ __forceinline__ void encode_part(float (&x)[D >= 32 ? D / 32 : 1], in
   part_sync<W>(bar);
   for (int w = pw * 32 + lane; w < D * BITS / 32; w += 32 * W) {  // word w of the bit stream
     uint32_t word = 0;
-    const int first = (32 * w) / BITS, last = (32 * w + 31) / BITS;
-    for (int i = first; i <= last && i < D; ++i) {
-      const int shift = i * BITS - 32 * w;
-      word |= shift >= 0 ? (sidx[i] << shift) : (sidx[i] >> (-shift));
+    if constexpr (32 % BITS == 0) {  // whole codes a word: constant shifts, the loads issued together
+      constexpr int C = 32 / BITS;
+#pragma unroll
+      for (int c = 0; c < C; ++c) word |= sidx[w * C + c] << (c * BITS);
+    } else {
+      const int first = (32 * w) / BITS, last = (32 * w + 31) / BITS;
+      for (int i = first; i <= last && i < D; ++i) {
+        const int shift = i * BITS - 32 * w;
+        word |= shift >= 0 ? (sidx[i] << shift) : (sidx[i] >> (-shift));
+      }
     }
     codes[w] = word;
   }

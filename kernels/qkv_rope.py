@@ -105,9 +105,15 @@ _STORE_RAW = _direct("const_cast<T*>(kpool) + (size_t)wrows[b * KV + (j - H)] * 
                      "const_cast<T*>(vpool) + (size_t)wrows[b * KV + (j - H - KV)] * D")
 # Coded: a key or value block stages its part's search table and rotation signs
 # (`kernels.cuda_kv.codec_constants`) beside its q/k/v loads, so all wait one memory latency together,
-# then leaves its rotated vector in `y` for `_ENCODE`.
+# then leaves its rotated vector in `y` for `_ENCODE`. A key block's search lanes load their dims of the key mean
+# (CENTER) there too: issued after the RoPE, that load's latency was the coding's to wait.
 _CODE = {"VALUE_OUT": "if (holds) {\n      y[i] = a;\n      y[i + NT] = c;\n    }", "KEY_OUT": "nullptr", "PROLOGUE": r"""
   constexpr int KT = table_floats(KMODE, KBITS, NG), VT = table_floats(VMODE, VBITS, NG);
+  float km[D / 32];  // CENTER, a key block's lane i % 32 of its first WD * WG warps: its dims of the key mean
+  if (CENTER && is_k && i < 32 * WD * WG) {
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) km[e] = kmean[(j - H) * D + (i % 32) * (D / 32) + e];
+  }
   constexpr int TMAX = KT > VT ? KT : VT;
   __shared__ float stab[TMAX > 0 ? TMAX : 1];
   __shared__ float ssign[D];
@@ -127,7 +133,7 @@ _CODE = {"VALUE_OUT": "if (holds) {\n      y[i] = a;\n      y[i + NT] = c;\n    
 
 # `_SOURCE` with ENC: key and value blocks then code their vector into its pool row: the block's first
 # WD * WG warps (`kernels.cuda_kv.decode_encode_warps`), each holding all of `y`, lane j dims
-# [j * E, j * E + E) (E = D / 32), subtract the key mean (CENTER, read before the barrier) and run
+# [j * E, j * E + E) (E = D / 32), subtract the key mean (CENTER, loaded in the prologue) and run
 # `encode_part` (`kernels.cuda_source`), as `ENCODE` does on the same values but with the gain search
 # spread over WG warps: a key and a value of one row are coded by two blocks into disjoint words and halves.
 _ENCODE = r"""
@@ -136,15 +142,11 @@ _ENCODE = r"""
   constexpr int W = WD * WG;
   static_assert(W * 32 <= BT, "the block holds the part's warps");
   const int h = is_k ? j - H : j - H - KV, lane = i % 32;
-  float xe[E];
-  if (CENTER && is_k) {  // off the path to the codes: no global read after the barrier
-#pragma unroll
-    for (int e = 0; e < E; ++e) xe[e] = kmean[h * D + lane * E + e];
-  }
   __syncthreads();  // y, the signs and the search table staged
   if (i >= 32 * W) return;
+  float xe[E];
 #pragma unroll
-  for (int e = 0; e < E; ++e) xe[e] = CENTER && is_k ? y[lane * E + e] - xe[e] : y[lane * E + e];
+  for (int e = 0; e < E; ++e) xe[e] = CENTER && is_k ? y[lane * E + e] - km[e] : y[lane * E + e];
   __shared__ uint32_t sidx[D];
   __shared__ float red[W * 2 * NG];
   uint32_t* row = const_cast<uint32_t*>(pool) + (size_t)wrows[b * KV + h] * ROWW;  // in place
