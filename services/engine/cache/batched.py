@@ -318,12 +318,16 @@ class BatchedKVCache:
 
     def _move_launches(self, rule, *, to_tail: bool) -> list[tuple[list[mx.array], list[mx.array]]]:
         """(sources, targets) pool lists of one window rule's layers, `pool_move.MAX_PAIRS` pairs a launch."""
-        layers = [i for i, spec in enumerate(self.layers) if spec.window == rule]
+        layers = self._rule_layers(rule)
         main = [a for i in layers for a in self.storage.pools[i]]
         tail = [a for i in layers for a in self.tail.pools[i]]
         sources, targets = (main, tail) if to_tail else (tail, main)
         step = pool_move.MAX_PAIRS
         return [(sources[k : k + step], targets[k : k + step]) for k in range(0, len(sources), step)]
+
+    def _rule_layers(self, rule) -> list[int]:
+        """Indices of the layers under window rule `rule` (an entry of `windows`)."""
+        return [i for i, spec in enumerate(self.layers) if spec.window == rule]
 
     def _move_pages(self, moves: Sequence[tuple[mx.array, mx.array] | None], *, to_tail: bool) -> None:
         """Per window rule (`windows` order), rows `moves[rule][0]` of each of its layers' main (`to_tail`) or
@@ -337,7 +341,7 @@ class BatchedKVCache:
                     mx.async_eval(pool_move.move_rows(*pairs, *rows))
                 continue
             source, target = (self.storage, self.tail) if to_tail else (self.tail, self.storage)
-            for i in (i for i, spec in enumerate(self.layers) if spec.window == rule):
+            for i in self._rule_layers(rule):
                 target.pools[i] = pool_rows.move(source.pools[i], rows[0], target.pools[i], rows[1])
 
     @property
