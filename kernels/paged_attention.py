@@ -26,6 +26,7 @@ Dao et al., Flash-Decoding (2023); CACHES.md "AURA encode / decode" (rotated dom
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -161,22 +162,25 @@ class History:
         """History slots read per row (pages read times `page_size`, or the gathered rows)."""
         return self.rows[0].shape[2] if self.rows is not None else self.page_table.shape[1] * page_size
 
-    def chunks(self, ref: PoolRef, ways: int = 1):
+    def chunks(self, ref: PoolRef, ways: int = 1, gate=None):
         """Yield (first slot, rows per pool [B, H, C, width]) over the history, C <= CHUNK_TOKENS.
 
         `ways` > 1 asks for at least that many chunks (whole pages, each >= PARALLEL_MIN_TOKENS
         slots) so they can run on that many threads. Each chunk's reads are built when it is
-        yielded, so they land on the stream current at that moment.
+        yielded, so they land on the stream current at that moment. `gate` (a function of a list
+        of arrays returning them, or None) is applied to what a chunk reads from (page-table slice
+        or row slices) just before the read: `_attend_chunks` makes it wait on earlier chunks there.
         """
         unit = 1 if self.rows is not None else ref.page_size  # slots per chunk step
         total = self.rows[0].shape[2] if self.rows is not None else self.page_table.shape[1]
         count = max(-(-total * unit // CHUNK_TOKENS), min(ways, total * unit // PARALLEL_MIN_TOKENS), 1)
         step = max(1, -(-total // count))
+        gate = gate or (lambda arrays: arrays)
         for first in range(0, total, step):
             if self.rows is not None:
-                yield first, tuple(r[:, :, first : first + step] for r in self.rows)
+                yield first, tuple(gate([r[:, :, first : first + step] for r in self.rows]))
             else:
-                yield first * unit, ref.gather(self.page_table[:, first : first + step])
+                yield first * unit, ref.gather(gate([self.page_table[:, first : first + step]])[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,13 +268,20 @@ def _attend_chunks(queries, ref, history, extra, rule, *, scale, sinks):
     if slots <= CHUNK_TOKENS and not cpu_decode and not _packed(fmt, group * length):
         chunks = list(history.chunks(ref)) if history is not None else []
         return _single_pass(queries, fmt, history, chunks, extra, rule, scale=scale, sinks=sinks)
-    state = None
-    chunks = history.chunks(ref, ways=len(streams)) if history is not None else ()
+    # MLX runs a graph in breadth-first order, so unchained chunks would all be read and decoded
+    # before the merges that free them (temporaries O(context)): each chunk waits on an earlier merge.
+    state, merged = None, collections.deque(maxlen=len(streams))  # the last merges' states
+
+    def after_earlier_chunks(arrays):  # chunk i is read once chunk i - len(streams) is merged
+        return arrays if len(merged) < len(streams) else mx.depends(arrays, list(merged[0]))
+
+    chunks = history.chunks(ref, ways=len(streams), gate=after_earlier_chunks) if history is not None else ()
     for first, rows in _spread(chunks, streams):
         valid, visible = history_masks(history, first, rows[0].shape[2], rule)
         if visible.shape[2] != 1:
             visible = grouped(visible)
         state = _merge(state, _chunk_scores(q, fmt, rows, visible, valid))
+        merged.append(state)
     if extra is not None:
         keys, values, visible = extra
         scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache
 
-from services.engine.cache import CacheOptions, Window, make_layer_caches
+from kernels.kv_format import LayerFormat
+from services.engine.cache import CacheOptions, KVCache, Window, make_layer_caches
 from services.engine.cache.batched import BatchedKVCache
 from services.engine.cache.paged_layers import PagedLayerCache
 from services.engine.cache.protocol import AttendingCache
-from services.engine.cache.schemes import SCHEMES
+from services.engine.cache.schemes import SCHEMES, layer_parts
 from shared.errors import CapacityExhausted, StaleSlot
 from tests.batching_helpers import make_tiny_mixed_llama
 
@@ -87,6 +88,26 @@ def test_batched_forwards_match_single_sequence_caches(tiny_llama, window, schem
     for prompt, sizes, rows in zip(prompts, chunks, batched):
         expected = reference_logits(tiny_llama, options, prompt, sizes, feed)
         np.testing.assert_allclose(np.array(mx.stack(rows)), np.array(mx.stack(expected)), atol=atol)
+
+
+@pytest.mark.parametrize("spec, names", [("aura4v2+1=aura8v8", ("aura4v2", "aura8v8")),
+                                         ("affine4+1=raw", ("affine4", "raw")), ("raw+0=aura4v4", ("aura4v4", "raw"))])
+def test_per_layer_schemes_match_hand_built_layer_caches(tiny_llama, spec, names):
+    """`--kv-cache` with a layer override: each layer of the batched cache is stored and attended in its own
+    scheme (its own AURA seeds), as single-sequence caches built layer by layer without the override parser."""
+    cache = make_cache(tiny_llama, CacheOptions(scheme=spec, max_context=4096))
+    assert [layer.fmt for layer in cache.layers] == [
+        LayerFormat(*layer_parts(name, layer=i, dtype=mx.float32), 64) for i, name in enumerate(names)]
+    prompts, chunks, feed = random_prompts([3, 21, 14], seed=4), [[3], [8, 8, 5], [14]], [5, 17, 99, 3, 64]
+    for prompt, sizes, rows in zip(prompts, chunks, run_batched(tiny_llama, cache, prompts, chunks, feed)):
+        caches = [KVCache(*layer_parts(name, layer=i, dtype=mx.float32), max_tokens=4096) for i, name in enumerate(names)]
+        expected, start = [], 0
+        for size in sizes:
+            expected.append(tiny_llama(mx.array(prompt[start : start + size])[None], cache=caches)[0, -1])
+            start += size
+        expected += [tiny_llama(mx.array([[token]]), cache=caches)[0, -1] for token in feed]
+        # packed affine decode (quantized_matmul) in KVCache against decoded codes here: as the test above
+        np.testing.assert_allclose(np.array(mx.stack(rows)), np.array(mx.stack(expected)), atol=5e-3)
 
 
 def test_mixed_full_and_sliding_layers_match_single_sequence(tiny_mixed_llama):
