@@ -414,6 +414,8 @@ def _valid_id(value: object) -> str | None:
 def _model_for(
     name: object, allowed: frozenset[MessageType] | None, request_id: str | None
 ) -> type[WireMessage]:
+    if name is None:
+        raise ProtocolError("missing field 'type' (the message type, e.g. 'generate')", request_id)
     if not isinstance(name, str) or name not in MODELS:
         raise ProtocolError(f"unknown message type {str(name)[:64]!r}", request_id)
     if allowed is not None and name not in allowed:

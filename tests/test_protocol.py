@@ -224,7 +224,7 @@ MALFORMED = {
     "v as bool": (frame(**{**GOOD, "v": True}), ["'v'"]),
     "v as string": (frame(**{**GOOD, "v": "1"}), ["'v'"]),
     "unsupported v": (frame(**{**GOOD, "v": 2}), ["unsupported", "v=2"]),
-    "missing type": (frame(v=1, id="r9"), ["unknown message type"]),
+    "missing type": (frame(v=1, id="r9"), ["missing field 'type'"]),
     "unknown type": (frame(**{**GOOD, "type": "generat"}), ["unknown message type", "generat"]),
     "type as int": (frame(**{**GOOD, "type": 3}), ["unknown message type"]),
     "type as bytes": (frame(**{**GOOD, "type": b"generate"}), ["unknown message type"]),

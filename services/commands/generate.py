@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             "kv_bytes": stats.kv_bytes, "kv_cache": options.scheme,
         }))
     else:
-        print(file=sys.stdout)
+        print(file=sys.stdout, flush=True)  # before the stats line on stderr (unbuffered)
         print(f"[prompt {stats.prompt_tokens} tok | generated {stats.generated_tokens} tok ({stats.finish_reason}) | "
               f"prefill {stats.prefill_tokens_per_s:.1f} tok/s | decode {stats.decode_tokens_per_s:.1f} tok/s | "
               f"KV {stats.kv_bytes} bytes ({options.scheme})]", file=sys.stderr)

@@ -126,7 +126,9 @@ def parse_layer_overrides(scheme: str) -> tuple[str, dict[int, str]]:
     overrides: dict[int, str] = {}
     for part in parts:
         layer, sep, name = part.partition("=")
-        if not sep or not layer.isdigit() or not name or int(layer) in overrides:
+        if sep and layer.isdigit() and name and int(layer) in overrides:
+            raise ValueError(f"layer {int(layer)} is overridden twice in KV cache scheme {scheme!r}")
+        if not sep or not layer.isdigit() or not name:
             raise ValueError(f"bad layer override {part!r} in KV cache scheme {scheme!r}; expected e.g. "
                              "'aura4v4+1=aura8v8'")
         overrides[int(layer)] = name
