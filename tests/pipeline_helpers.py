@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -61,6 +62,21 @@ class Server:
         server.wait_ready()
         server.children = child_pids(proc.pid)
         return server
+
+    @classmethod
+    @contextlib.contextmanager
+    def serving(cls, tmp: Path, *flags: str, clean_stop: bool = True, **kwargs):
+        """`start`, yield the server, then stop it: SIGTERM, asserting a clean exit (`clean_stop`), else
+        (or when that fails) SIGKILL of everything. For a module's shared server fixture."""
+        server = cls.start(tmp, *flags, **kwargs)
+        try:
+            yield server
+        finally:
+            if server.proc.poll() is None:
+                status = server.stop() if clean_stop else None
+                if status != 0:
+                    server.kill_everything()
+                assert not clean_stop or status == 0, server.log()[-3000:]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -44,16 +44,9 @@ LONG = 200  # tokens of a request meant to be interrupted
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server.start(tmp_path_factory.mktemp("http"), "--max-active-requests", "2", "--max-queue", "1",
-                       base_flags=FLAGS)  # fmt: skip
-    try:
+    with Server.serving(tmp_path_factory.mktemp("http"), "--max-active-requests", "2", "--max-queue", "1",
+                        base_flags=FLAGS) as srv:  # fmt: skip
         yield srv
-    finally:
-        if srv.proc.poll() is None:
-            status = srv.stop()
-            if status != 0:
-                srv.kill_everything()
-            assert status == 0, srv.log()[-3000:]
 
 
 @pytest.fixture(scope="module")

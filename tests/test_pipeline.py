@@ -57,15 +57,8 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server.start(tmp_path_factory.mktemp("serve"), "--max-active-requests", "8")
-    try:
+    with Server.serving(tmp_path_factory.mktemp("serve"), "--max-active-requests", "8") as srv:
         yield srv
-    finally:
-        if srv.proc.poll() is None:
-            status = srv.stop()
-            if status != 0:
-                srv.kill_everything()
-            assert status == 0, srv.log()[-3000:]
 
 
 @pytest.fixture(autouse=True)

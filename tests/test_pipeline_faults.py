@@ -44,15 +44,11 @@ PROMPT = "Once upon a time, in a small village, there lived"  # long greedy cont
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server.start(
+    with Server.serving(
         tmp_path_factory.mktemp("serve-faults"), "--max-active-requests", "2", "--max-queue", "4",
-        "--engine-timeout-s", str(DEFAULT_ENGINE_TIMEOUT_S), engines=2,
-    )  # fmt: skip  (the product's timeout: 3 s once declared a live engine dead on a loaded 2-core machine)
-    try:
+        "--engine-timeout-s", str(DEFAULT_ENGINE_TIMEOUT_S), engines=2, clean_stop=False,
+    ) as srv:  # fmt: skip  (the product's timeout: 3 s once declared a live engine dead on a loaded 2-core machine)
         yield srv
-    finally:
-        if srv.proc.poll() is None:
-            srv.kill_everything()
 
 
 @pytest.fixture(autouse=True)

@@ -45,12 +45,8 @@ FLAGS = ("--max-slots", "4", "--max-active-requests", "4", "--client-max-active"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server.start(tmp_path_factory.mktemp("serve-reliability"), *FLAGS)
-    try:
+    with Server.serving(tmp_path_factory.mktemp("serve-reliability"), *FLAGS, clean_stop=False) as srv:
         yield srv
-    finally:
-        if srv.proc.poll() is None:
-            srv.kill_everything()
 
 
 @pytest.fixture(autouse=True)
