@@ -336,7 +336,9 @@ def decode(frame: bytes, allowed: frozenset[MessageType] | None = None) -> Messa
     if version != SCHEMA_VERSION:
         message = f"unsupported schema version v={version}; this server speaks v={SCHEMA_VERSION}"
         raise ProtocolError(message, request_id)
-    cls = _model_for(payload.get("type"), allowed, request_id)
+    if "type" not in payload:
+        raise ProtocolError("missing field 'type' (the message type, e.g. 'generate')", request_id)
+    cls = _model_for(payload["type"], allowed, request_id)
     try:
         return cls.model_validate(payload)
     except ValidationError as exc:
@@ -414,8 +416,6 @@ def _valid_id(value: object) -> str | None:
 def _model_for(
     name: object, allowed: frozenset[MessageType] | None, request_id: str | None
 ) -> type[WireMessage]:
-    if name is None:
-        raise ProtocolError("missing field 'type' (the message type, e.g. 'generate')", request_id)
     if not isinstance(name, str) or name not in MODELS:
         raise ProtocolError(f"unknown message type {str(name)[:64]!r}", request_id)
     if allowed is not None and name not in allowed:
