@@ -126,11 +126,11 @@ def parse_layer_overrides(scheme: str) -> tuple[str, dict[int, str]]:
     overrides: dict[int, str] = {}
     for part in parts:
         layer, sep, name = part.partition("=")
-        if sep and layer.isdigit() and name and int(layer) in overrides:
-            raise ValueError(f"layer {int(layer)} is overridden twice in KV cache scheme {scheme!r}")
         if not sep or not layer.isdigit() or not name:
             raise ValueError(f"bad layer override {part!r} in KV cache scheme {scheme!r}; expected e.g. "
                              "'aura4v4+1=aura8v8'")
+        if int(layer) in overrides:
+            raise ValueError(f"layer {int(layer)} is overridden twice in KV cache scheme {scheme!r}")
         overrides[int(layer)] = name
     return base, overrides
 
