@@ -93,6 +93,34 @@ def idle_gaps(spans: list[tuple[float, float]]) -> dict[str, list[float]]:
     return {name: [n, round(us, 1)] for name, (n, us) in out.items()}
 
 
+def gap_neighbours(kernels: list[tuple[float, float, str]], min_us: float = 5.0, top: int = 8) -> list[dict]:
+    """Which kernels the idle gaps of at least `min_us` fall between, by pair of names (most idle time first).
+
+    Args:
+        kernels (list[tuple[float, float, str]]): Each kernel's (start µs, end µs, name).
+
+    Returns:
+        list[dict]: up to `top` entries {"before", "after", "count", "us"}: the kernel that ended last before
+        the gap, the one that started it, how many such gaps and their total µs.
+    """
+    ordered = sorted(kernels)
+    pairs: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    last_end, last_name = None, ""
+    for start, end, name in ordered:
+        if last_end is not None and start - last_end >= min_us:
+            pairs[(last_name, name)].append(start - last_end)
+        if last_end is None or end > last_end:
+            last_end, last_name = end, name
+    ranked = sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [{"before": a, "after": b, "count": len(us), "us": round(sum(us), 1)} for (a, b), us in ranked]
+
+
+def short_name(kernel: str) -> str:
+    """A kernel's name without MLX's namespaces and its argument list, cut to 48 characters."""
+    name = kernel.split("(")[0].removeprefix("void ").replace("mlx::core::cu::", "").replace("custom_kernel_", "")
+    return name[:48]
+
+
 def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw", context: int = 0,
                   host_trace: bool = True) -> dict:
     """One run of `batch` streams decoding `tokens` each under the profiler, after an untimed warm-up run.
@@ -144,6 +172,8 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
             "per_step_thread_cpu_us": round(cpu / tokens * 1e6, 1),
             "kernels_per_step": round(len(kernels) / tokens, 1),
             "idle_gaps_us": {name: [n / tokens, round(us / tokens, 1)] for name, (n, us) in idle_gaps(spans).items()},
+            "gaps_between": gap_neighbours([(e.time_range.start, e.time_range.end, short_name(e.name))
+                                            for e in kernels]),
             "top": [{"name": name, "count": len(us), "us_total": round(sum(us), 1),
                      "us_per_step": round(sum(us) / tokens, 2), "us_median": round(statistics.median(us), 2),
                      "us_deciles": [round(x, 1) for x in statistics.quantiles(us, n=10)] if len(us) > 1 else us,

@@ -29,3 +29,16 @@ def test_tuning_override_names_launch_shape_fields_and_refuses_others():
     for bad in ("waves", "waves=two", "lanes=8"):
         with pytest.raises(ValueError, match="FIELD=INT"):
             tuning_override(bad)
+
+
+def test_gap_neighbours_names_the_kernels_around_each_long_gap():
+    from ops.gpu_time import gap_neighbours, short_name
+
+    kernels = [(0.0, 4.0, "a"), (2.0, 9.0, "b"), (10.0, 12.0, "c"), (30.0, 31.0, "a"), (40.0, 41.0, "b"),
+               (100.0, 101.0, "a"), (200.0, 201.0, "b")]
+    # gaps >= 5 µs: b(ends 9) -> c starts 10 is 1 µs (not counted); c -> a 18; a -> b 9; b -> a 59; a -> b 99
+    assert gap_neighbours(kernels) == [{"before": "a", "after": "b", "count": 2, "us": 108.0},
+                                       {"before": "b", "after": "a", "count": 1, "us": 59.0},
+                                       {"before": "c", "after": "a", "count": 1, "us": 18.0}]
+    assert short_name("void mlx::core::cu::gemv_single<__nv_bfloat16, 8, 4>(x, y)") == "gemv_single<__nv_bfloat16, 8, 4>"
+    assert short_name("mlx::core::cu::custom_kernel_bm_argmax_rows_float(x)") == "bm_argmax_rows_float"
