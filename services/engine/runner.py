@@ -50,7 +50,6 @@ class Launch:
     prefill_tokens: list[tuple[str, mx.array]] = field(default_factory=list)  # request id, uint32 [1]
     window_ids: list[str] = field(default_factory=list)  # decode rows, in batch order
     window_tokens: list[mx.array] = field(default_factory=list)  # per step, uint32 [B]
-    window_stack: mx.array | None = None  # uint32 [N, B], evaluated with the last step (read back alone)
     tail_home: bool = False  # its tail pages were copied home by the next launch (launched ahead)
     window_arrays: WindowArrays | None = None  # its index arrays: the tail's rows to copy back
     window_start: WindowStart | None = None  # the rows' recurrent state before the window (hybrids)
@@ -129,13 +128,13 @@ class ModelRunner:
             dict[str, list[int]]: the tokens sampled for each request of the step, in order.
         """
         if launch.tail_home:  # the next window is in flight: wait for this one's tokens alone
-            steps = np.array(launch.window_stack).tolist()  # [N, B]
+            steps = _read_tokens(launch.window_tokens)
             self.cache.slots.complete_step(launch.step_id)
             return {rid: [step[row] for step in steps] for row, rid in enumerate(launch.window_ids)}
         mx.synchronize()
         sampled = {rid: [int(token.item())] for rid, token in launch.prefill_tokens}
         if launch.window_tokens:
-            steps = np.array(launch.window_stack).tolist()  # [N, B]
+            steps = _read_tokens(launch.window_tokens)
             for row, rid in enumerate(launch.window_ids):
                 sampled[rid] = [step[row] for step in steps]
             self.cache.copy_from_tail(launch.window_arrays)  # in place: nothing is in flight
@@ -193,11 +192,7 @@ class ModelRunner:
             (cache.replace_tail_arrays if cache.use_tail else cache.replace_arrays)(written)
             tokens = self._sample(logits, requests)
             launch.window_tokens.append(tokens)
-            if len(launch.window_tokens) == len(arrays.steps):  # read back alone: no later work waited for
-                launch.window_stack = mx.stack(launch.window_tokens)
-                mx.async_eval(launch.window_stack, tokens, *written, *states)
-            else:
-                mx.async_eval(tokens, *written, *states)
+            mx.async_eval(tokens, *written, *states)
         launch.window_ids = [r.request_id for r in requests]
         launch.window_arrays, launch.window_states = arrays, states
 
@@ -222,6 +217,14 @@ class ModelRunner:
         if request.request_id not in self._samplers:
             self._samplers[request.request_id] = RequestSampler(request.params)
         return self._samplers[request.request_id]
+
+
+def _read_tokens(window_tokens: list[mx.array]) -> list[list[int]]:
+    """A window's sampled tokens, [N][B], read back once its last step is computed (each step feeds the
+    next, so every earlier step is computed by then). No stacking on the device: a stack is a copy
+    kernel per step."""
+    last = np.array(window_tokens[-1])  # waits for the window, and for nothing launched after it
+    return [np.array(t).tolist() for t in window_tokens[:-1]] + [last.tolist()]
 
 
 def _first_tokens(requests: tuple[Request, ...], ahead_of: Launch | None) -> mx.array:
