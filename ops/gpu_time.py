@@ -73,6 +73,18 @@ def busy_us(spans: list[tuple[float, float]]) -> float:
 GAP_EDGES_US = (2.0, 5.0, 20.0, 100.0)  # idle gaps between kernels, bucketed: graph-internal ... host-starved
 
 
+def kernel_gaps(kernels: list[tuple[float, float, str]]) -> list[tuple[float, str, str]]:
+    """The idle gaps between kernels' [start, end) intervals (overlaps merged), in order: (µs, name of the
+    kernel that ended last before the gap, name of the one that ends it)."""
+    out, end, last = [], None, ""
+    for start, stop, name in sorted(kernels):
+        if end is not None and start > end:
+            out.append((start - end, last, name))
+        if end is None or stop > end:
+            end, last = stop, name
+    return out
+
+
 def idle_gaps(spans: list[tuple[float, float]]) -> dict[str, list[float]]:
     """Idle time between kernels of [start, end) intervals (µs), bucketed by gap length.
 
@@ -84,9 +96,7 @@ def idle_gaps(spans: list[tuple[float, float]]) -> dict[str, list[float]]:
     names = [f"<{GAP_EDGES_US[0]:g}"] + [f"{a:g}-{b:g}" for a, b in zip(GAP_EDGES_US, GAP_EDGES_US[1:])]
     names.append(f">={GAP_EDGES_US[-1]:g}")
     out = {name: [0, 0.0] for name in names}
-    merged = merged_spans(spans)
-    for (_, end), (start, _) in zip(merged, merged[1:]):
-        gap = start - end
+    for gap, _, _ in kernel_gaps([(s, e, "") for s, e in spans]):
         name = names[sum(gap >= edge for edge in GAP_EDGES_US)]
         out[name][0] += 1
         out[name][1] += gap
@@ -103,14 +113,10 @@ def gap_neighbours(kernels: list[tuple[float, float, str]], min_us: float = 5.0,
         list[dict]: up to `top` entries {"before", "after", "count", "us"}: the kernel that ended last before
         the gap, the one that started it, how many such gaps and their total µs.
     """
-    ordered = sorted(kernels)
     pairs: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
-    last_end, last_name = None, ""
-    for start, end, name in ordered:
-        if last_end is not None and start - last_end >= min_us:
-            pairs[(last_name, name)].append(start - last_end)
-        if last_end is None or end > last_end:
-            last_end, last_name = end, name
+    for gap, before, after in kernel_gaps(kernels):
+        if gap >= min_us:
+            pairs[(before, after)].append(gap)
     ranked = sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:top]
     return [{"before": a, "after": b, "count": len(us), "us": round(sum(us), 1)} for (a, b), us in ranked]
 
