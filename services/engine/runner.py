@@ -34,6 +34,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from kernels.argmax import argmax_rows
+
 from .cache.batched import BatchedKVCache, WindowArrays
 from .cache.pages import SlotView
 from .model.decode import LeanDecoder
@@ -206,7 +208,7 @@ class ModelRunner:
 
     def _sample(self, logits: mx.array, requests: tuple[Request, ...]) -> mx.array:
         """uint32 [B]: greedy rows all at once, sampled rows each with its own PRNG stream."""
-        tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        tokens = argmax_rows(logits)  # uint32
         drawn = [i for i, r in enumerate(requests) if r.params.temperature > 0]
         if drawn:
             samples = [self._sampler(requests[i])(logits[i]) for i in drawn]
