@@ -3,7 +3,9 @@
 A decode step ends with `argmax(logits, axis=-1)` over the vocabulary. MLX's CUDA `arg_reduce`
 takes ~22.5 µs of GPU time a step for one row of 128,256 bf16 logits (CUPTI in the engine, an
 H100, `ops/gpu_time.py`): 2% of a llama-1b step, for 256 KB. Here one block of 1,024 threads
-takes a row, each thread reading 16 bytes at a time (where the row is 16-byte aligned), and reduces (value, index) pairs by warp
+takes a row, each thread issuing four 16-byte loads (where the row is 16-byte aligned) before it
+compares their elements: a loop of one load then its compares waits a memory latency per pass (an
+earlier one-block kernel, 512 threads, took 20.7 µs so, `docs/gpu_log.md`). It reduces (value, index) pairs by warp
 shuffles, then across warps in shared memory. The result is numpy's and MLX's: the first index
 of the largest value, a NaN counting as larger than any number (the first NaN wins).
 Elsewhere (the CPU, Metal) `argmax_rows` is `mx.argmax`.
@@ -18,6 +20,7 @@ import mlx.core as mx
 from kernels import cuda_kv
 
 THREADS = 1024
+LOADS_IN_FLIGHT = 4  # 16-byte loads a thread issues before comparing: a row of 128,256 bf16 takes 4 passes
 
 _SOURCE = r"""
   // Row blockIdx.x of logits [B, V]; thread t reads W elements at t*W of each stride of THREADS*W, by one
@@ -27,21 +30,26 @@ _SOURCE = r"""
   float best = __int_as_float(0xff800000);  // -inf
   int at = V;  // past the row: loses to every real element
   if (W > 1 && (reinterpret_cast<unsigned long long>(x) & 15) == 0) {
-    for (int i = t * W; i + W <= V; i += THREADS * W) {
-      T vals[W];
-      *reinterpret_cast<uint4*>(vals) = *reinterpret_cast<const uint4*>(x + i);
+    constexpr int STEP = THREADS * W;  // elements a pass of the block's loads covers
+    for (int i0 = t * W; i0 < V; i0 += U * STEP) {  // U loads in flight a thread, then their compares
+      uint4 words[U];
 #pragma unroll
-      for (int j = 0; j < W; ++j) {
-        if (bm_wins((float)vals[j], i + j, best, at)) { best = (float)vals[j]; at = i + j; }
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * STEP;
+        if (i + W <= V) words[u] = *reinterpret_cast<const uint4*>(x + i);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * STEP;
+        if (i + W > V) break;
+        const T* vals = reinterpret_cast<const T*>(&words[u]);
+#pragma unroll
+        for (int j = 0; j < W; ++j) bm_take((float)vals[j], i + j, best, at);
       }
     }
-    for (int i = V / W * W + t; i < V; i += THREADS) {  // a tail shorter than one load
-      if (bm_wins((float)x[i], i, best, at)) { best = (float)x[i]; at = i; }
-    }
+    for (int i = V / W * W + t; i < V; i += THREADS) bm_take((float)x[i], i, best, at);  // a tail under one load
   } else {
-    for (int i = t; i < V; i += THREADS) {
-      if (bm_wins((float)x[i], i, best, at)) { best = (float)x[i]; at = i; }
-    }
+    for (int i = t; i < V; i += THREADS) bm_take((float)x[i], i, best, at);
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
@@ -61,7 +69,7 @@ _SOURCE = r"""
       const int a = __shfl_xor_sync(0xffffffffu, at, off);
       if (bm_wins(b, a, best, at)) { best = b; at = a; }
     }
-    if (t == 0) out[blockIdx.x] = (uint32_t)at;
+    if (t == 0) out[blockIdx.x] = at == V ? 0u : (uint32_t)at;  // nothing taken: every element is -inf
   }
 """
 
@@ -73,6 +81,12 @@ __device__ __forceinline__ bool bm_wins(float v, int i, float best, int at) {
   if (vn != bn) return vn;
   if (!vn && v != best) return v > best;
   return i < at;
+}
+
+// A thread's own scan, in increasing index order: a later element wins only if strictly larger, or the
+// first NaN (then nothing beats it); a -inf is never taken (a row of them all leaves `at` past the row).
+__device__ __forceinline__ void bm_take(float v, int i, float& best, int& at) {
+  if (v > best || (v != v && best == best)) { best = v; at = i; }
 }
 """
 
@@ -102,7 +116,7 @@ def argmax_rows(logits: mx.array) -> mx.array:
     batch, vocab = logits.shape
     width = 16 // logits.dtype.size  # elements a 16-byte load reads
     (out,) = _kernel()(inputs=[logits], template=[("T", logits.dtype), ("V", vocab), ("W", width),
-                                                   ("THREADS", THREADS)],
+                                                   ("THREADS", THREADS), ("U", LOADS_IN_FLIGHT)],
                        grid=(batch * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
                        output_shapes=[(batch,)], output_dtypes=[mx.uint32])
     return out
