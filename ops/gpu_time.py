@@ -6,7 +6,8 @@ reports per decode step the GPU's busy time (kernels, overlaps merged), the span
 last kernel, the idle gaps between kernels by length, kernel time by name (with deciles of a call's
 time: a name's calls from prefill and from decode differ in size), the host-side events CUPTI records,
 by name (count and host time per step: CUDA runtime and driver calls, such as graph updates and
-launches, and the profiler's own), and the main thread's CPU time (MLX's waits spin, so it counts them).
+launches, and the profiler's own) and those that overlap the GPU's idle gaps of 100 µs or more, and
+the main thread's CPU time (MLX's waits spin, so it counts them).
 Host activity is recorded too, which slows the host: compare busy time with an unprofiled run's wall
 time per step. Busy close to the wall time per step means the step is bound by GPU execution, not by
 the host's launches.
@@ -121,6 +122,33 @@ def gap_neighbours(kernels: list[tuple[float, float, str]], min_us: float = 5.0,
     return [{"before": a, "after": b, "count": len(us), "us": round(sum(us), 1)} for (a, b), us in ranked]
 
 
+def host_during_gaps(kernels: list[tuple[float, float]], host: list[tuple[float, float, str]], min_us: float = 100.0,
+                     top: int = 12) -> list[dict]:
+    """What the host was doing while the GPU sat idle for at least `min_us`: each host event's overlap with those
+    gaps, summed by name (most overlapped time first).
+
+    Args:
+        kernels (list[tuple[float, float]]): Each kernel's [start, end) (µs).
+        host (list[tuple[float, float, str]]): Each host event's (start µs, end µs, name), on the kernels' clock.
+
+    Returns:
+        list[dict]: up to `top` entries {"name", "count", "us"}: events that overlap a gap, and their µs inside
+        the gaps (nested events each count their own overlap).
+    """
+    gaps, end = [], None
+    for start, stop in merged_spans(kernels):
+        if end is not None and start - end >= min_us:
+            gaps.append((end, start))
+        end = stop
+    inside: dict[str, list[float]] = collections.defaultdict(list)
+    for start, stop, name in host:
+        us = sum(max(0.0, min(stop, b) - max(start, a)) for a, b in gaps)
+        if us > 0:
+            inside[name].append(us)
+    ranked = sorted(inside.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [{"name": name, "count": len(us), "us": round(sum(us), 1)} for name, us in ranked]
+
+
 def short_name(kernel: str) -> str:
     """A kernel's name without MLX's namespaces and its argument list, cut to 48 characters."""
     name = kernel.split("(")[0].removeprefix("void ").replace("mlx::core::cu::", "").replace("custom_kernel_", "")
@@ -169,9 +197,11 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     tokens = tokens + CONTEXT_WARMUP if context else tokens  # steps profiled (with context, the warm-up's too)
     host = collections.defaultdict(list)  # host-side event (CUDA runtime / driver call, ...) -> each one's µs
+    host_spans = []
     for e in prof.events():
         if e.device_type.name == "CPU":
             host[e.name[:80]].append(e.cpu_time_total)
+            host_spans.append((e.time_range.start, e.time_range.end, e.name[:80]))
     return {"tok_s": round(rate, 1), "wall_s": round(wall, 4), "kernels": len(kernels),
             "gpu_busy_us": round(busy, 1), "gpu_span_us": round(span, 1),
             "per_step_busy_us": round(busy / tokens, 1), "per_step_span_us": round(span / tokens, 1),
@@ -184,6 +214,7 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
                      "us_per_step": round(sum(us) / tokens, 2), "us_median": round(statistics.median(us), 2),
                      "us_deciles": [round(x, 1) for x in statistics.quantiles(us, n=10)] if len(us) > 1 else us,
                      "us_max": round(max(us), 1)} for name, us in ranked],
+            "host_during_long_gaps": host_during_gaps(spans, host_spans),
             "host_calls": {name: {"per_step": round(len(us) / tokens, 1), "us_per_step": round(sum(us) / tokens, 1),
                                   "us_median": round(statistics.median(us), 2)}
                            for name, us in sorted(host.items(), key=lambda kv: -sum(kv[1]))[:16]}}

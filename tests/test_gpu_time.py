@@ -42,3 +42,17 @@ def test_gap_neighbours_names_the_kernels_around_each_long_gap():
                                        {"before": "c", "after": "a", "count": 1, "us": 18.0}]
     assert short_name("void mlx::core::cu::gemv_single<__nv_bfloat16, 8, 4>(x, y)") == "gemv_single<__nv_bfloat16, 8, 4>"
     assert short_name("mlx::core::cu::custom_kernel_bm_argmax_rows_float(x)") == "bm_argmax_rows_float"
+
+
+def test_host_during_gaps_sums_each_host_event_inside_the_long_gaps_only():
+    from ops.gpu_time import host_during_gaps
+
+    kernels = [(0.0, 10.0), (5.0, 20.0), (150.0, 160.0), (170.0, 180.0), (400.0, 410.0)]
+    # idle: 20-150 (130 µs, long), 160-170 (10, short), 180-400 (220, long)
+    host = [(0.0, 30.0, "launch"),  # 10 µs inside 20-150
+            (100.0, 200.0, "sync"),  # 50 inside 20-150, 20 inside 180-400 (not the short gap)
+            (250.0, 260.0, "launch"),  # 10
+            (162.0, 168.0, "free"),  # only inside the short gap
+            (300.0, 450.0, "sync")]  # 100 (to 400)
+    assert host_during_gaps(kernels, host) == [{"name": "sync", "count": 2, "us": 170.0},
+                                               {"name": "launch", "count": 2, "us": 20.0}]
