@@ -134,7 +134,8 @@ def decode_rate(core, requests, warmup: int, host: dict | None = None) -> float:
     window ahead, and that window's tokens were paid for before the start.
 
     `host` (optional) receives, over the timed part, the seconds the host spent building and launching
-    steps (`launch_s`: `ModelRunner.run`) and waiting for them (`wait_s`: `ModelRunner.collect`), and this
+    steps (`launch_s`: `ModelRunner.run`) and waiting for them (`wait_s`: `ModelRunner.collect`), the steps
+    launched (`launches`) and how many of them ran ahead of the window in flight (`launches_ahead`), and this
     thread's CPU seconds (`thread_cpu_s`: MLX's waits for the GPU spin, so it tracks the wall time; it is not
     the host's work alone).
 
@@ -143,7 +144,7 @@ def decode_rate(core, requests, warmup: int, host: dict | None = None) -> float:
     """
     for request in requests:
         core.add_request(request)
-    runner, spent = core.runner, {"launch_s": 0.0, "wait_s": 0.0}
+    runner, spent = core.runner, {"launch_s": 0.0, "wait_s": 0.0, "launches": 0, "launches_ahead": 0}
     run, collect = runner.run, runner.collect
 
     def timed(fn, key):
@@ -155,14 +156,21 @@ def decode_rate(core, requests, warmup: int, host: dict | None = None) -> float:
                 spent[key] += time.perf_counter() - begin
         return call
 
-    runner.run, runner.collect = timed(run, "launch_s"), timed(collect, "wait_s")
+    timed_run = timed(run, "launch_s")
+
+    def launch(plan, ahead_of=None):  # counts the launches that ran ahead of the window in flight
+        spent["launches"] += 1
+        spent["launches_ahead"] += ahead_of is not None
+        return timed_run(plan, ahead_of)
+
+    runner.run, runner.collect = launch, timed(collect, "wait_s")
     clock, cpu = DecodeClock(len(requests), warmup), None
     try:
         while core.has_unfinished():
             clock.record([out.request_id for out in core.step() for _ in out.new_token_ids], ahead=core.in_flight)
             if cpu is None and clock.start is not None:
                 cpu = time.thread_time()
-                spent.update(launch_s=0.0, wait_s=0.0)
+                spent.update(launch_s=0.0, wait_s=0.0, launches=0, launches_ahead=0)
     finally:
         runner.run, runner.collect = run, collect
     if not clock.tokens:
@@ -218,6 +226,7 @@ def run_decode(loaded, args) -> list[dict]:
                    "peak_over_weights_bytes": max(r["peak_over_weights_bytes"] for r in done),
                    "runs_tokens_per_s": [round(r["decode_tokens_per_s"], 1) for r in done],
                    "runs_launch_share": [round(r["host"]["launch_s"] / r["host"]["timed_s"], 3) for r in done],
+                   "runs_launched_ahead": [f'{r["host"]["launches_ahead"]}/{r["host"]["launches"]}' for r in done],
                    "runs_thread_cpu_us_per_token": [round(r["host"]["thread_cpu_s"] / r["host"]["timed_s"]
                                                           / r["decode_tokens_per_s"] * 1e6, 1) for r in done]}
             rows.append(row)

@@ -170,11 +170,12 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
     from ops.bench_kv import decode_rate
     from ops.engine_fill import filled_engine
 
+    host: dict = {}  # with context: the timed part's launches, and how many ran ahead (`decode_rate`)
     if context:  # the fill (encoder launches) happens before the profiler starts
         def run():
             core, requests = filled_engine(loaded, scheme, [context] * batch, max_tokens=tokens + CONTEXT_WARMUP)
             mx.eval(core.cache.arrays)
-            return lambda: decode_rate(core, requests, warmup=CONTEXT_WARMUP)
+            return lambda: decode_rate(core, requests, warmup=CONTEXT_WARMUP, host=host)
     else:
         prompts = prompts_for(batch, loaded.model.args.vocab_size, seed=batch)
         core = make_core(loaded, prompts, tokens, page_size=16)
@@ -196,11 +197,11 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
     busy, span = busy_us(spans), max(e for _, e in spans) - min(s for s, _ in spans)
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     tokens = tokens + CONTEXT_WARMUP if context else tokens  # steps profiled (with context, the warm-up's too)
-    host = collections.defaultdict(list)  # host-side event (CUDA runtime / driver call, ...) -> each one's µs
+    calls = collections.defaultdict(list)  # host-side event (CUDA runtime / driver call, ...) -> each one's µs
     host_spans = []
     for e in prof.events():
         if e.device_type.name == "CPU":
-            host[e.name[:80]].append(e.cpu_time_total)
+            calls[e.name[:80]].append(e.cpu_time_total)
             host_spans.append((e.time_range.start, e.time_range.end, e.name[:80]))
     return {"tok_s": round(rate, 1), "wall_s": round(wall, 4), "kernels": len(kernels),
             "gpu_busy_us": round(busy, 1), "gpu_span_us": round(span, 1),
@@ -217,7 +218,8 @@ def profile_batch(loaded, batch: int, tokens: int, top: int, scheme: str = "raw"
             "host_during_long_gaps": host_during_gaps(spans, host_spans),
             "host_calls": {name: {"per_step": round(len(us) / tokens, 1), "us_per_step": round(sum(us) / tokens, 1),
                                   "us_median": round(statistics.median(us), 2)}
-                           for name, us in sorted(host.items(), key=lambda kv: -sum(kv[1]))[:16]}}
+                           for name, us in sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:16]},
+            **({"launched_ahead": f'{host["launches_ahead"]}/{host["launches"]}'} if host else {})}
 
 
 def main() -> None:
