@@ -74,13 +74,13 @@ def busy_us(spans: list[tuple[float, float]]) -> float:
 GAP_EDGES_US = (2.0, 5.0, 20.0, 100.0)  # idle gaps between kernels, bucketed: graph-internal ... host-starved
 
 
-def kernel_gaps(kernels: list[tuple[float, float, str]]) -> list[tuple[float, str, str]]:
-    """The idle gaps between kernels' [start, end) intervals (overlaps merged), in order: (µs, name of the
-    kernel that ended last before the gap, name of the one that ends it)."""
+def kernel_gaps(kernels: list[tuple[float, float, str]]) -> list[tuple[float, float, str, str]]:
+    """The idle gaps between kernels' [start, end) intervals (overlaps merged), in order: (start µs, end µs,
+    name of the kernel that ended last before the gap, name of the one that ends it)."""
     out, end, last = [], None, ""
     for start, stop, name in sorted(kernels):
         if end is not None and start > end:
-            out.append((start - end, last, name))
+            out.append((end, start, last, name))
         if end is None or stop > end:
             end, last = stop, name
     return out
@@ -97,7 +97,8 @@ def idle_gaps(spans: list[tuple[float, float]]) -> dict[str, list[float]]:
     names = [f"<{GAP_EDGES_US[0]:g}"] + [f"{a:g}-{b:g}" for a, b in zip(GAP_EDGES_US, GAP_EDGES_US[1:])]
     names.append(f">={GAP_EDGES_US[-1]:g}")
     out = {name: [0, 0.0] for name in names}
-    for gap, _, _ in kernel_gaps([(s, e, "") for s, e in spans]):
+    for start, end, _, _ in kernel_gaps([(s, e, "") for s, e in spans]):
+        gap = end - start
         name = names[sum(gap >= edge for edge in GAP_EDGES_US)]
         out[name][0] += 1
         out[name][1] += gap
@@ -115,9 +116,9 @@ def gap_neighbours(kernels: list[tuple[float, float, str]], min_us: float = 5.0,
         the gap, the one that started it, how many such gaps and their total µs.
     """
     pairs: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
-    for gap, before, after in kernel_gaps(kernels):
-        if gap >= min_us:
-            pairs[(before, after)].append(gap)
+    for start, end, before, after in kernel_gaps(kernels):
+        if end - start >= min_us:
+            pairs[(before, after)].append(end - start)
     ranked = sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:top]
     return [{"before": a, "after": b, "count": len(us), "us": round(sum(us), 1)} for (a, b), us in ranked]
 
@@ -135,11 +136,7 @@ def host_during_gaps(kernels: list[tuple[float, float]], host: list[tuple[float,
         list[dict]: up to `top` entries {"name", "count", "us"}: events that overlap a gap, and their µs inside
         the gaps (nested events each count their own overlap).
     """
-    gaps, end = [], None
-    for start, stop in merged_spans(kernels):
-        if end is not None and start - end >= min_us:
-            gaps.append((end, start))
-        end = stop
+    gaps = [(a, b) for a, b, _, _ in kernel_gaps([(s, e, "") for s, e in kernels]) if b - a >= min_us]
     inside: dict[str, list[float]] = collections.defaultdict(list)
     for start, stop, name in host:
         us = sum(max(0.0, min(stop, b) - max(start, a)) for a, b in gaps)
