@@ -309,13 +309,12 @@ class SlotTable:
             AssertionError: a position about to be written lies in a shared or cached page.
         """
         starts = np.array([slot.num_tokens for slot in slots], np.int64)
-        tables = np.zeros((len(slots), max(len(s.page_table) for s in slots)), np.int64)
-        for row, slot in enumerate(slots):
-            tables[row, : len(slot.page_table)] = slot.page_table
         positions = starts[:, None] + np.arange(num_new)[None, :]
         for rule in self.write_rules:
             logical = positions if rule is None else rule.storage_index(positions)
-            pages = np.take_along_axis(tables, logical // self.page_size, axis=1)
+            # only the pages written (a window's few), not each row's whole table: O(pages) a window at long context
+            pages = np.array([slot.page_table[i] for slot, row in zip(slots, logical // self.page_size)
+                              for i in np.unique(row).tolist()], np.int64)
             shared = pages[self._pages.is_read_only(pages)]
             if shared.size:
                 raise AssertionError(f"a forward would write shared or cached pages {sorted(set(shared.tolist()))}")
