@@ -52,24 +52,14 @@ _SOURCE = r"""
   } else {
     for (int i = t; i < V; i += THREADS) bm_take((float)x[i], i, best, at);
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float b = __shfl_xor_sync(0xffffffffu, best, off);
-    const int a = __shfl_xor_sync(0xffffffffu, at, off);
-    if (bm_wins(b, a, best, at)) { best = b; at = a; }
-  }
+  bm_warp_best(best, at);
   __shared__ float warp_best[THREADS / 32];
   __shared__ int warp_at[THREADS / 32];
   if ((t & 31) == 0) { warp_best[t >> 5] = best; warp_at[t >> 5] = at; }
   __syncthreads();
   if (t < 32) {
     best = warp_best[t]; at = warp_at[t];  // THREADS / 32 == 32 warps
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float b = __shfl_xor_sync(0xffffffffu, best, off);
-      const int a = __shfl_xor_sync(0xffffffffu, at, off);
-      if (bm_wins(b, a, best, at)) { best = b; at = a; }
-    }
+    bm_warp_best(best, at);
     if (t == 0) out[blockIdx.x] = at == V ? 0u : (uint32_t)at;  // nothing taken: every element is -inf
   }
 """
@@ -82,6 +72,16 @@ __device__ __forceinline__ bool bm_wins(float v, int i, float best, int at) {
   if (vn != bn) return vn;
   if (!vn && v != best) return v > best;
   return i < at;
+}
+
+// The warp's winning (best, at) in every lane, by a butterfly of `bm_wins`.
+__device__ __forceinline__ void bm_warp_best(float& best, int& at) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float b = __shfl_xor_sync(0xffffffffu, best, off);
+    const int a = __shfl_xor_sync(0xffffffffu, at, off);
+    if (bm_wins(b, a, best, at)) { best = b; at = a; }
+  }
 }
 
 // A thread's own scan, in increasing index order: a later element wins only if strictly larger, or the
