@@ -40,6 +40,7 @@ import mlx.core as mx
 import numpy as np
 
 from ops.decode_clock import DecodeClock
+from ops.gpu_time import apply_tuning_override
 from shared.blas import active_blas
 
 RESULTS = Path(__file__).parent / "results"
@@ -408,8 +409,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefill-queries", type=int, default=512, help="prefill-phase queries (attention mode)")
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--tuning", default="", help="FIELD=INT[,...]: replace these fields of the decode-attention "
+                        "launch shape (kernels.cuda_kv.Tuning) in every launch, e.g. fold=0")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON result")
-    return parser.parse_args()
+    args = parser.parse_args()
+    try:
+        args.tuning = apply_tuning_override(args.tuning)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
 
 
 def main() -> None:
@@ -428,7 +436,7 @@ def main() -> None:
         "blas": active_blas(), "model": name, "dtype": str(model_dtype(model)).removeprefix("mlx.core."),
         "fill": "random N(0,1) K/V through each layer's encoder" if args.mode == "decode" else None,
         "path": "EngineCore (decode windows, compiled step)" if args.mode == "decode" else "one layer's cache",
-        "steps": args.steps, "warmup": args.warmup, "streams": args.streams, "decode_window": args.decode_window or "engine default (16 on a GPU, 8 on the CPU)", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": rows,
+        "steps": args.steps, "warmup": args.warmup, "streams": args.streams, "decode_window": args.decode_window or "engine default (16 on a GPU, 8 on the CPU)", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "tuning": args.tuning, "results": rows,
     }
     suffix = "" if args.mode == "decode" else f"_{args.mode.replace('-', '_')}"
     model_tag = f"_{args.random_model}" if args.random_model else ""

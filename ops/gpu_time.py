@@ -55,6 +55,22 @@ def tuning_override(text: str) -> dict[str, int]:
     return out
 
 
+def apply_tuning_override(text: str) -> dict[str, int]:
+    """Make every later decode-attention launch take `tuning_override(text)`'s fields over
+    `kernels.cuda_kv.default_tuning`'s (patched in place); returns the override ({} changes nothing).
+
+    Raises:
+        ValueError: as `tuning_override`.
+    """
+    override = tuning_override(text)
+    if override:
+        from kernels import cuda_kv
+
+        default = cuda_kv.default_tuning
+        cuda_kv.default_tuning = lambda fmt, rows: dataclasses.replace(default(fmt, rows), **override)
+    return override
+
+
 def merged_spans(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The union of [start, end) intervals as disjoint intervals, in order."""
     merged: list[list[float]] = []
@@ -237,14 +253,9 @@ def main() -> None:
     if args.kv_cache != "raw" and not args.context:
         parser.error("--kv-cache needs --context (short-prompt runs use the raw cache)")
     try:
-        override = tuning_override(args.tuning)
+        override = apply_tuning_override(args.tuning)
     except ValueError as exc:
         parser.error(str(exc))
-    if override:
-        from kernels import cuda_kv
-
-        default = cuda_kv.default_tuning
-        cuda_kv.default_tuning = lambda fmt, rows: dataclasses.replace(default(fmt, rows), **override)
     import torch
 
     from ops.bench_batching import random_model
