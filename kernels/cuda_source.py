@@ -312,6 +312,97 @@ __device__ __forceinline__ void merge_final(const float* sm_m, const float* sm_l
   }
 }
 
+// The folded launch (`kernels.cuda_kv.folded_source`, no combine kernel): after `merge_states`, the last block
+// of a (row, kv head) to finish (its query heads hq0 .. hq0 + G - 1 of the partials, hh0 .. of the row), by an
+// atomic count of its S splits in `cnt` (which that block sets back to 0, so the count is 0 before every
+// launch), merges the splits' partials of its G query heads and writes the output, as COMBINE does: thread
+// (r, c) folds float4 column c (4 dims of one head) of splits r, r + R, ... online with U splits' loads in
+// flight (R = threads / columns, at most E: the states fit `sm`, the block's E-state merge rows), the R states
+// meet in shared memory, a learned sink (natural-log units) joins, and AURA values (UNROTATE) go back to the
+// model's domain (`fwht_shared` on the G rows, the signs `vsign` [D], 1 / sqrt(D)). Partials are read from L2
+// (`__ldcg`) after the count, which each block takes after a fence of its own writes (the pattern of CUDA's
+// threadFenceReduction sample). Every thread of the block calls it.
+template <typename T, int D, int G, int E, bool HAS_SINK, bool UNROTATE>
+__device__ __forceinline__ void finish_row(const float* o_part, const float* ml_part, size_t hq0, int hh0, int S,
+                                           int* cnt, const float* sinks, const float* vsign, float* sm, T* out) {
+  static_assert(D % 4 == 0, "float4 columns");
+  constexpr int C = G * D / 4, U = 8;
+  __shared__ int last;
+  __threadfence();  // this block's partials are visible device-wide before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(cnt, 1) == S - 1;
+  __syncthreads();
+  if (!last) return;  // block-uniform
+  __threadfence();
+  const int R = max(1, min((int)blockDim.x / C, E));
+  float4* sm_o = reinterpret_cast<float4*>(sm);  // [R][C], then sm_m [R][G], then sm_l [R][G]: as merge rows
+  float* sm_m = sm + R * G * D;
+  float* sm_l = sm_m + R * G;
+  for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
+    const int r = i / C, c = i % C, g = c / (D / 4);
+    const float2* ml = reinterpret_cast<const float2*>(ml_part) + (hq0 + g) * S;
+    const float4* op = reinterpret_cast<const float4*>(o_part + (hq0 + g) * S * D) + c % (D / 4);
+    float m = -1e30f, l = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = r; s0 < S; s0 += U * R) {
+      float2 mls[U];
+      float4 os[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int s = s0 + u * R;
+        mls[u] = s < S ? __ldcg(ml + s) : make_float2(-1e30f, 0.f);
+        os[u] = s < S ? __ldcg(op + (size_t)s * (D / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      float mn = m;
+#pragma unroll
+      for (int u = 0; u < U; ++u) mn = fmaxf(mn, mls[u].x);
+      const float a = exp2f(m - mn);
+      l *= a;
+      o.x *= a; o.y *= a; o.z *= a; o.w *= a;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float f = exp2f(mls[u].x - mn);
+        l = fmaf(mls[u].y, f, l);
+        o.x = fmaf(os[u].x, f, o.x); o.y = fmaf(os[u].y, f, o.y);
+        o.z = fmaf(os[u].z, f, o.z); o.w = fmaf(os[u].w, f, o.w);
+      }
+      m = mn;
+    }
+    if (c % (D / 4) == 0) { sm_m[r * G + g] = m; sm_l[r * G + g] = l; }
+    sm_o[r * C + c] = o;
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    const int g = c / (D / 4);
+    const float sink = HAS_SINK ? sinks[hh0 + g] * 1.4426950408889634f : -1e30f;
+    float M = sink;
+    for (int j = 0; j < R; ++j) M = fmaxf(M, sm_m[j * G + g]);
+    float L = HAS_SINK ? exp2f(sink - M) : 0.f;
+    float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < R; ++j) {
+      const float f = exp2f(sm_m[j * G + g] - M);
+      const float4 x = sm_o[j * C + c];
+      L = fmaf(sm_l[j * G + g], f, L);
+      O.x = fmaf(x.x, f, O.x); O.y = fmaf(x.y, f, O.y); O.z = fmaf(x.z, f, O.z); O.w = fmaf(x.w, f, O.w);
+    }
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    const float y[4] = {O.x * inv, O.y * inv, O.z * inv, O.w * inv};
+    if (UNROTATE) {  // column c's row-0 slot is read above by this thread only
+      sm_o[c] = make_float4(y[0], y[1], y[2], y[3]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) out[hq0 * D + 4 * c + k] = static_cast<T>(y[k]);
+    }
+  }
+  if constexpr (UNROTATE) {
+    float* rows = reinterpret_cast<float*>(sm_o);
+    fwht_shared<D>(rows, G);  // barriers before and after
+    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x)
+      out[hq0 * D + idx] = static_cast<T>(rows[idx] * vsign[idx % D] * rsqrtf((float)D));
+  }
+  if (threadIdx.x == 0) *cnt = 0;
+}
+
 // Floats of a part's search table (`encode_part`): AURA, 2^BITS threshold slots and centroids, NG gains.
 __host__ __device__ constexpr int table_floats(int mode, int bits, int ng) { return mode == 2 ? (2 << bits) + ng : 0; }
 
