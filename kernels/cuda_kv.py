@@ -145,23 +145,19 @@ _MERGE_PARTS = re.compile(r"merge_states<D, G, (\w+)>\((.*), S, split, o_part, m
 
 
 @functools.cache
-def _partial_kernel(mma: bool, coded: bool, final: bool = False, folded: bool = False):
+def _partial_kernel(mma: bool, coded: bool, final: bool = False):
     """A partial kernel (`PARTIAL`, or `PARTIAL_MMA` on the tensor cores). Coded: one pool and one tail pool
     (K and V share a row), the other inputs as raw's: every input costs host time at each launch. Final: the
-    one-split launch, writing the attention output (`merge_final`) where the combine kernel would have.
-    Folded: the last block of each (row, kv head) merges the splits and writes the output (`folded_source`)."""
+    one-split launch, writing the attention output (`merge_final`) where the combine kernel would have."""
     name, source, header = ("bm_paged_decode_mma", PARTIAL_MMA, MMA_HEADER) if mma else ("bm_paged_decode_partial",
                                                                                           PARTIAL, "")
     pools = ["kp", "kt"] if coded else ["kp", "vp", "kt", "vt"]
     if coded:  # values are read from the keys' rows
         name, source = name + "_coded", "const RT* vp = kp;\nconst RT* vt = kt;\n" + source
-    inputs, outputs = ["q", *pools, "pt", "lens", "cb"], ["o_part", "ml_part"]
+    outputs = ["o_part", "ml_part"]
     if final:
         name, source, outputs = name + "_final", final_source(source), ["out"]
-    elif folded:
-        name, source, inputs, outputs = name + "_folded", folded_source(source), inputs + ["sinks", "cnt"], \
-            outputs + ["out"]
-    return custom_kernel(name, source, header, input_names=inputs, output_names=outputs)
+    return custom_kernel(name, source, header, input_names=["q", *pools, "pt", "lens", "cb"], output_names=outputs)
 
 
 def final_source(source: str) -> str:
@@ -172,24 +168,6 @@ def final_source(source: str) -> str:
         ValueError: a source without exactly one `merge_states` call of the partial kernels' form.
     """
     out, count = _MERGE_PARTS.subn(r"merge_final<T, D, G, \1, UNROTATE>(\2, cb + 512 + D, out);", source)
-    if count != 1:
-        raise ValueError(f"a partial kernel ends in one merge_states call; found {count}")
-    return out
-
-
-def folded_source(source: str) -> str:
-    """A partial kernel's source (`PARTIAL`, `PARTIAL_MMA`) as its folded launch: after `merge_states`, the last
-    block of each (row, kv head) merges the splits' partials (`finish_row`: a learned sink, AURA values
-    un-rotated) and writes `out`, where a combine kernel would have; `cnt` counts each (row, kv head)'s finished
-    splits (int32 [rows], zeros before and after a launch: `_split_counts`).
-
-    Raises:
-        ValueError: a source without exactly one `merge_states` call of the partial kernels' form.
-    """
-    out, count = _MERGE_PARTS.subn(
-        r"merge_states<D, G, \1>(\2, S, split, o_part, ml_part);\n"
-        r"finish_row<T, D, G, \1, HAS_SINK, UNROTATE>(o_part, ml_part, (size_t)b * Hkv * G + (size_t)h * G, h * G, S, "
-        r"const_cast<int*>(cnt) + b * Hkv + h, sinks, cb + 512 + D, reinterpret_cast<float*>(smem), out);", source)
     if count != 1:
         raise ValueError(f"a partial kernel ends in one merge_states call; found {count}")
     return out
@@ -327,8 +305,6 @@ class Tuning:
             whose fill needs one) writes the output itself, no combine kernel.
         slabs (int): Tensor-core kernel: 16-token slabs a warp takes at once (one softmax update for all,
             their products independent), the tile a multiple of `16 * slabs` tokens.
-        fold (bool): A launch of several splits merges them in its last block of each (row, kv head)
-            (`finish_row`), no combine kernel.
     """
 
     dims_per_lane: int = 8
@@ -342,7 +318,6 @@ class Tuning:
     mma: bool = False
     one_split_tokens: int = 0
     slabs: int = 1
-    fold: bool = False
 
 
 def _split_plan(max_tokens: int, batch: int, n_kv_heads: int, page_size: int, waves: int,
@@ -439,21 +414,14 @@ def decode_attention(
         (out,) = _partial_kernel(mma is not None, not fmt.is_raw, True)(
             template=[*template, unrotate], output_shapes=[out_shape], output_dtypes=[queries.dtype], **launch)
         return out
-    sink_input = sinks.astype(mx.float32) if has_sink else _constant((0.0,), mx.float32)
-    if tuning.fold:  # one launch: the last block of each (row, kv head) merges its splits
-        launch["inputs"] += [sink_input, _split_counts(id(pools[0]), batch * n_kv_heads)]
-        _, _, out = _partial_kernel(mma is not None, not fmt.is_raw, folded=True)(
-            template=[*template, ("HAS_SINK", has_sink), unrotate],
-            output_shapes=[(batch, n_heads, splits, head_dim), (batch, n_heads, splits, 2), out_shape],
-            output_dtypes=[mx.float32, mx.float32, queries.dtype], **launch)
-        return out
     o_part, ml_part = _partial_kernel(mma is not None, not fmt.is_raw)(
         template=template,
         output_shapes=[(batch, n_heads, splits, head_dim), (batch, n_heads, splits, 2)],
         output_dtypes=[mx.float32, mx.float32], **launch)
     merge = min(_COMBINE_THREADS // head_dim, 1 << (splits - 1).bit_length())  # splits merged side by side
     (out,) = _kernels()["combine"](
-        inputs=[o_part, ml_part, sink_input, _signs(fmt.value, head_dim)],
+        inputs=[o_part, ml_part, sinks.astype(mx.float32) if has_sink else _constant((0.0,), mx.float32),
+                _signs(fmt.value, head_dim)],
         template=[("T", queries.dtype), ("D", head_dim), ("HAS_SINK", has_sink), unrotate],
         grid=(head_dim * merge, n_heads, batch),
         threadgroup=(head_dim * merge, 1, 1),
@@ -461,17 +429,6 @@ def decode_attention(
         output_dtypes=[queries.dtype],
     )
     return out
-
-
-@functools.lru_cache(maxsize=1024)
-def _split_counts(pool_id: int, rows: int) -> mx.array:
-    """int32 [rows + 1] zeros: a folded launch's count of finished splits per (row, kv head) (`finish_row`),
-    which the last block of each sets back to 0, so they are zeros again after every launch. Two launches
-    that share a buffer must not run at once: MLX orders a graph's kernels only by the arrays they pass, and
-    each step's layers pass theirs in turn, but two forwards in one evaluation need not; so one buffer a
-    layer (keyed by its pool) and width. Made from host data, so `mx.compile` captures it as a constant;
-    never one element (compile merges equal scalars)."""
-    return mx.array(np.zeros(rows + 1, np.int32))
 
 
 def _float_bits(x: float) -> int:
@@ -624,14 +581,14 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     many = rows >= NUM_SMS
     waves = 2 if many else 4
     if _compute_capability() < 8:
-        return Tuning(dims_per_lane=wide, unroll=1, warps=4, waves=waves, prefetch=many, fold=True)
+        return Tuning(dims_per_lane=wide, unroll=1, warps=4, waves=waves, prefetch=many)
     narrow_aura_keys = fmt.head_dim == 128 and fmt.key.kind == AURA and fmt.key.bits <= 4
     one_split = 0 if many else min(_ONE_SPLIT_TOKENS, _ONE_SPLIT_BYTES // fmt.bytes_per_row)
     if fmt.is_raw:
         return Tuning(dims_per_lane=wide, unroll=1, warps=4 if fmt.head_dim <= 64 else 2, waves=waves, stages=4,
-                      mma=True, one_split_tokens=one_split, fold=True)
+                      mma=True, one_split_tokens=one_split)
     return Tuning(dims_per_lane=wide, unroll=2, warps=4 if many and (fmt.head_dim <= 64 or narrow_aura_keys) else 2,
-                  waves=waves, stages=4, mma=True, one_split_tokens=one_split, slabs=2, fold=True)
+                  waves=waves, stages=4, mma=True, one_split_tokens=one_split, slabs=2)
 
 
 @functools.cache

@@ -195,8 +195,6 @@ HELPER_SETS = [
     ("PARTIAL_final", {"Slice", "slice_words", "fetch_slice", "decode_slice", "code_float", "cp_async",
                        "cp_async_commit", "cp_async_wait", "fast_exp2", "fwht_warp", "fwht_shared", "merge_at",
                        "merge_final", "stage_block"}),  # one split: output un-rotated in place, no partials
-    ("PARTIAL_MMA_folded", {"cp_async", "cp_async_commit", "cp_async_wait", "fast_exp2", "fwht_warp", "fwht_shared",
-                            "merge_at", "merge_states", "finish_row", "stage_block"}),  # partials, then the last block
 ]
 
 
@@ -204,9 +202,7 @@ HELPER_SETS = [
 def test_each_kernel_gets_the_helpers_it_calls_and_their_callees(kernel, want):
     source = {"PARTIAL_MMA": cuda_mma.MMA_HEADER + cuda_mma.PARTIAL_MMA,
               "qkv": qkv_rope._source(qkv_rope._CODE) + qkv_rope._ENCODE,
-              "PARTIAL_final": cuda_kv.final_source(cuda_source.PARTIAL),
-              "PARTIAL_MMA_folded": cuda_mma.MMA_HEADER + cuda_kv.folded_source(cuda_mma.PARTIAL_MMA)}.get(kernel) \
-        or getattr(cuda_source, kernel)
+              "PARTIAL_final": cuda_kv.final_source(cuda_source.PARTIAL)}.get(kernel) or getattr(cuda_source, kernel)
     header = cuda_source.kernel_header(source)
     every = set().union(*(w for _, w in HELPER_SETS))  # HEADER's helpers, by hand
     defined = {n for n in every if re.search(rf"^(struct |__\w+__ .*\b){n}\b", header, re.M)}
@@ -221,16 +217,6 @@ def test_final_source_swaps_the_one_partials_write_and_refuses_others():
         assert final.count("cb + 512 + D, out);") == 1
     with pytest.raises(ValueError, match="found 0"):
         cuda_kv.final_source(cuda_source.COMBINE)
-
-
-def test_folded_source_adds_the_last_blocks_merge_after_the_partials_and_refuses_others():
-    for source in (cuda_source.PARTIAL, cuda_mma.PARTIAL_MMA):
-        folded = cuda_kv.folded_source(source)
-        partials, merge = folded.index("merge_states<D, G, "), folded.index("finish_row<T, D, G, ")
-        assert folded.count("merge_states<D, G, ") == 1 and folded.count("finish_row<") == 1 and partials < merge
-        assert folded.count("const_cast<int*>(cnt) + b * Hkv + h, sinks, cb + 512 + D,") == 1
-    with pytest.raises(ValueError, match="found 0"):
-        cuda_kv.folded_source(cuda_source.COMBINE)
 
 
 @pytest.mark.parametrize("key_aura, value_aura", [(False, True), (True, False), (True, True), (False, False)])

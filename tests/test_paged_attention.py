@@ -258,18 +258,14 @@ TUNINGS = [cuda_kv.Tuning(), cuda_kv.Tuning(8, 2, 4, 2, False), cuda_kv.Tuning(1
            cuda_kv.Tuning(8, 1, 4, 1, True, stages=4, stage_bytes=1 << 16),
            cuda_kv.Tuning(warps=4, stages=4, mma=True), cuda_kv.Tuning(unroll=2, warps=2, waves=16, stages=2, mma=True),
            cuda_kv.Tuning(warps=1, stages=3, mma=True), cuda_kv.Tuning(unroll=2, warps=4, stages=4, mma=True, slabs=2),
-           cuda_kv.Tuning(unroll=1, warps=2, waves=16, stages=3, mma=True, slabs=2),
-           cuda_kv.Tuning(8, 2, 4, 8, False, fold=True), cuda_kv.Tuning(warps=4, stages=4, mma=True, fold=True),
-           cuda_kv.Tuning(unroll=2, warps=2, waves=16, stages=2, mma=True, slabs=2, fold=True),
-           cuda_kv.Tuning(warps=1, stages=3, mma=True, fold=True)]
+           cuda_kv.Tuning(unroll=1, warps=2, waves=16, stages=3, mma=True, slabs=2)]
 
 
 def tuning_id(t: cuda_kv.Tuning) -> str:
     shape = f"d{t.dims_per_lane}u{t.unroll}w{t.warps}v{t.waves}q{int(t.query_in_registers)}"
-    fold = "-fold" if t.fold else ""
     if t.mma:
-        return f"mma-u{t.unroll}w{t.warps}v{t.waves}s{t.stages}c{t.slabs}{fold}"
-    return (f"staged-{shape}s{t.stages}b{t.stage_bytes}" if t.stages else f"direct-{shape}p{int(t.prefetch)}") + fold
+        return f"mma-u{t.unroll}w{t.warps}v{t.waves}s{t.stages}c{t.slabs}"
+    return f"staged-{shape}s{t.stages}b{t.stage_bytes}" if t.stages else f"direct-{shape}p{int(t.prefetch)}"
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="launch shapes exist only for the CUDA kernel, which needs MLX's CUDA backend (the H200 run covers it)")
@@ -277,8 +273,7 @@ def tuning_id(t: cuda_kv.Tuning) -> str:
 @pytest.mark.parametrize("scheme, head_dim, group", [("raw", 64, 4), ("affine4", 128, 2), ("aura4v4", 64, 4),
                                                      ("aura8v4", 128, 8), ("affine6", 256, 1)])
 def test_every_launch_shape_matches_float64_reference(tuning, scheme, head_dim, group):
-    """Unrolled tokens, wide lanes, many splits (merged by the combine kernel, or by the last block of each row
-    and kv head: `fold`): same attention."""
+    """Unrolled tokens, wide lanes, many splits (the combine merging them in parallel): same attention."""
     fmt = layer_format(scheme, head_dim)
     lengths = (1, 17, 300, 2049)
     store = Store(fmt, lengths, 2, seed=head_dim + group)
