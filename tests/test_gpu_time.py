@@ -1,5 +1,7 @@
 """ops/gpu_time.py's busy time: the union of kernel intervals, overlaps counted once (hand-derived)."""
 
+import dataclasses
+
 import pytest
 
 from ops.gpu_time import busy_us
@@ -29,6 +31,23 @@ def test_tuning_override_names_launch_shape_fields_and_refuses_others():
     for bad in ("waves", "waves=two", "lanes=8"):
         with pytest.raises(ValueError, match="FIELD=INT"):
             tuning_override(bad)
+
+
+def test_applied_override_replaces_only_its_fields_in_every_later_default(monkeypatch):
+    import mlx.core as mx
+
+    from kernels import cuda_kv
+    from ops.gpu_time import apply_tuning_override
+    from services.engine.cache.schemes import layer_format
+
+    monkeypatch.setattr(cuda_kv, "default_tuning", cuda_kv.default_tuning)  # restored after the test
+    fmt, before = layer_format("aura8v4", layer=0, dtype=mx.bfloat16, head_dim=64), cuda_kv.default_tuning
+    assert apply_tuning_override("") == {} and cuda_kv.default_tuning is before
+    assert apply_tuning_override("waves=2,slabs=1") == {"waves": 2, "slabs": 1}
+    for rows in (1, 8, 512):
+        want = before(fmt, rows)
+        assert want.slabs == 2 or rows >= cuda_kv.NUM_SMS  # the default differs where it counts
+        assert cuda_kv.default_tuning(fmt, rows) == dataclasses.replace(want, waves=2, slabs=1)
 
 
 def test_gap_neighbours_names_the_kernels_around_each_long_gap():
