@@ -410,7 +410,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--tuning", default="", help="FIELD=INT[,...]: replace these fields of the decode-attention "
-                        "launch shape (kernels.cuda_kv.Tuning) in every launch, e.g. fold=0")
+                        "launch shape (kernels.cuda_kv.Tuning) in every launch, e.g. waves=2")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON result")
     args = parser.parse_args()
     try:
