@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issues 9 and 10's acceptance figures on a GPU host, ours and mlx-lm's side by side, in two calls of one
+# warm loan (each under the device tool's 600 s):
+#   PART=1  llama single stream 512 / 8K / 32K: ops.bench_kv (best of 3) and mlx-lm's generate_step
+#           (anchor_mlxlm_decode.py, twice over each context); issue 9's table (5 schemes, engines
+#           interleaved) for llama and qwen3 at 32K and 8K.
+#   PART=2  qwen3 single stream against mlx-lm (anchor_mlxlm_qwen3.py); llama batched decode at
+#           1 / 8 / 32 / 64 streams against BatchGenerator (ops.bench_batching).
+# Every step has a timeout and $OUT/all.tgz is rewritten after each, so a cut run still reports.
+# The anchors are not in this repository (../shared/gpu): copy them into .gpu/b/ before the call.
+#
+#   GPU host, call 2:  source .gpu/b/unpack.sh && PART=1 bash ops/gpu/acceptance_run.sh
+#   call 3 (warm):     export PYTHONPATH=/tmp/gpu-site:$PWD && PART=2 bash ops/gpu/acceptance_run.sh
+set -u
+cd "$(dirname "$0")/../.."
+PART=${PART:-1}
+OUT=${OUT:-/tmp/acceptance-out}
+R=$OUT/r; mkdir -p "$R"
+T0=$SECONDS
+pack() { tar czf "$OUT/all.tgz" -C "$OUT" r 2>/dev/null; }
+step() {  # step NAME SECONDS COMMAND...: run with a timeout, log its exit status, pack
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$R/$name.txt" 2>&1
+  echo "[$((SECONDS - T0))s] $name rc=$?" | tee -a "$R/log.txt"; pack
+}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader > "$R/gpu_$PART.txt"
+git log --oneline -1 >> "$R/gpu_$PART.txt" 2>/dev/null
+SCHEMES=raw,affine8,affine4,aura8v4,aura4v4
+if [ "$PART" = 1 ]; then
+  step ours_llama 140 python3 -m ops.bench_kv --random-model llama-1b --contexts 512,8192,32768 --schemes raw \
+    --steps 128 --repeats 3 --out "$R/ours_llama"
+  mkdir -p "$R/mlxlm_llama"
+  step mlxlm_llama 110 env OUT="$R/mlxlm_llama" python3 .gpu/b/anchor_mlxlm_decode.py 512,8192,32768,512,8192,32768
+  for model in llama-1b qwen3-1.7b; do
+    step "table_$model" 120 python3 -m ops.bench_kv --random-model "$model" --contexts 32768,8192 --schemes $SCHEMES \
+      --steps 128 --repeats 1 --interleave --out "$R/table_$model"
+  done
+else
+  step ours_qwen3 150 python3 -m ops.bench_kv --random-model qwen3-1.7b --contexts 512,8192,32768 --schemes raw \
+    --steps 128 --repeats 3 --out "$R/ours_qwen3"
+  mkdir -p "$R/mlxlm_qwen3"
+  step mlxlm_qwen3 150 env OUT="$R/mlxlm_qwen3" python3 .gpu/b/anchor_mlxlm_qwen3.py
+  step batching_llama 200 python3 -m ops.bench_batching --random-model llama-1b --batch-sizes 1,8,32,64 --repeats 2 \
+    --out "$R/batching_llama.json"
+fi
+echo "[$((SECONDS - T0))s] done" | tee -a "$R/log.txt"; pack
