@@ -14,7 +14,8 @@ Modes (`--mode`):
 - `prefill-memory`: a real chunked prefill of `--prefill-tokens` tokens (default 4096 in 512s)
   per scheme, peak memory from `mx.reset_peak_memory()` to the end.
 
-Results go to stdout and `ops/results/bench_kv[_<mode>]_<device>.json`. No downloads:
+Results go to stdout and `ops/results/bench_kv[_<mode>]_<device>[_<model>][_<field><value>...].json` (the
+last part: a `--tuning` override of the decode-attention launch shape, CUDA only). No downloads:
 `--random-model llama-1b` builds a random-initialized Llama-3.2-1B-shaped model (bf16) on
 whatever `mx.default_device()` is.
 
@@ -22,6 +23,7 @@ whatever `mx.default_device()` is.
     python -m ops.bench_kv --random-model llama-1b --contexts 512,8192,32768   # GPU (also qwen3-1.7b)
     python -m ops.bench_kv --random-model llama-1b --contexts 8192 --streams 32 --schemes raw,affine4,aura4v4
     python -m ops.bench_kv --random-model llama-1b --contexts 8192,32768 --steps 256 --repeats 1 --interleave
+    python -m ops.bench_kv --random-model llama-1b --contexts 32768 --schemes raw --tuning waves=2   # a launch-shape A/B
     python -m ops.bench_kv --mode attention
     python -m ops.bench_kv --mode prefill-memory --schemes raw,affine4,aura4v4
 """
@@ -441,7 +443,8 @@ def main() -> None:
     suffix = "" if args.mode == "decode" else f"_{args.mode.replace('-', '_')}"
     model_tag = f"_{args.random_model}" if args.random_model else ""
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bench_kv{suffix}_{device.type.name}{model_tag}.json"
+    tuning_tag = "".join(f"_{k}{v}" for k, v in args.tuning.items())  # A/B runs into one folder keep both
+    path = args.out / f"bench_kv{suffix}_{device.type.name}{model_tag}{tuning_tag}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
 

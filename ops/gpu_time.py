@@ -27,6 +27,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -38,10 +39,11 @@ CONTEXT_WARMUP = 4  # decode steps per stream before --context runs count tokens
 
 
 def tuning_override(text: str) -> dict[str, int]:
-    """`FIELD=INT[,FIELD=INT]` as `kernels.cuda_kv.Tuning` fields to replace in every decode-attention launch.
+    """`FIELD=INT[,FIELD=INT]` as `kernels.cuda_kv.Tuning` fields to replace in every decode-attention launch
+    (INT: a non-negative integer; a bool field takes 0 or 1).
 
     Raises:
-        ValueError: an item not `FIELD=INT`, or a field `Tuning` does not have.
+        ValueError: an item not `FIELD=INT`, a field `Tuning` does not have, or a field named twice.
     """
     from kernels.cuda_kv import Tuning
 
@@ -49,8 +51,8 @@ def tuning_override(text: str) -> dict[str, int]:
     out = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
-        if name not in fields or not value.lstrip("-").isdigit():
-            raise ValueError(f"--tuning takes FIELD=INT items of {sorted(fields)}, got {item!r}")
+        if name not in fields or not re.fullmatch(r"\d+", value) or name in out:
+            raise ValueError(f"--tuning takes FIELD=INT items (each field once) of {sorted(fields)}, got {item!r}")
         out[name] = int(value)
     return out
 

@@ -28,7 +28,7 @@ def test_tuning_override_names_launch_shape_fields_and_refuses_others():
 
     assert tuning_override("waves=2,warps=1") == {"waves": 2, "warps": 1}
     assert tuning_override("") == {}
-    for bad in ("waves", "waves=two", "lanes=8"):
+    for bad in ("waves", "waves=two", "lanes=8", "waves=-1", "waves=--1", "waves=2,waves=4"):
         with pytest.raises(ValueError, match="FIELD=INT"):
             tuning_override(bad)
 

@@ -1,30 +1,31 @@
 #!/usr/bin/env bash
-# Issues 9 and 10's acceptance figures on a GPU host, ours and mlx-lm's side by side, in two calls of one
-# warm loan (each under the device tool's 600 s):
-#   PART=1  llama single stream 512 / 8K / 32K: ops.bench_kv (best of 3) and mlx-lm's generate_step
-#           (anchor_mlxlm_decode.py, twice over each context); issue 9's table (5 schemes, engines
-#           interleaved) for llama and qwen3 at 32K and 8K.
-#   PART=2  qwen3 single stream against mlx-lm (anchor_mlxlm_qwen3.py); llama batched decode at
+# Issues 9 and 10's acceptance figures on a GPU host, ours and mlx-lm's side by side. A device loan takes three
+# calls back to back: call 1 stashes the site's part a (../shared/gpu/README.md), then this script twice on the
+# warm host (each part under the device tool's 600 s):
+#   PART=1  llama single stream 512 / 8K / 32K: ops.bench_kv (best of 3) and mlx-lm's model with its KVCache
+#           in generate_step's pipelined loop (anchor_mlxlm_decode.py, two passes a context); issue 9's table
+#           (5 schemes, engines interleaved) for llama and qwen3 at 32K and 8K.
+#   PART=2  qwen3 single stream against mlx-lm's generate_step (anchor_mlxlm_qwen3.py); llama batched decode at
 #           1 / 8 / 32 / 64 streams against BatchGenerator (ops.bench_batching).
 # Every step has a timeout and $OUT/all.tgz is rewritten after each, so a cut run still reports.
-# The anchors are not in this repository (../shared/gpu): copy them into .gpu/b/ before the call.
+# The anchors are not in this repository (../shared/gpu): copy them into .gpu/b/ before the calls.
 #
-#   GPU host, call 2:  source .gpu/b/unpack.sh && PART=1 bash ops/gpu/acceptance_run.sh
-#   call 3 (warm):     export PYTHONPATH=/tmp/gpu-site:$PWD && PART=2 bash ops/gpu/acceptance_run.sh
+#   call 2:  source .gpu/b/unpack.sh && PART=1 bash ops/gpu/acceptance_run.sh
+#   call 3:  export PYTHONPATH=/tmp/gpu-site:$PWD && PART=2 bash ops/gpu/acceptance_run.sh
 set -u
-cd "$(dirname "$0")/../.."
-PART=${PART:-1}
-OUT=${OUT:-/tmp/acceptance-out}
+case "${PART:-1}" in 1 | 2) PART=${PART:-1} ;; *) echo "PART must be 1 or 2" >&2; exit 2 ;; esac
+OUT=$(realpath -m "${OUT:-/tmp/acceptance-out}")  # before the cd: a relative OUT is the caller's
+cd "$(dirname "$0")/../.." || exit 1
 R=$OUT/r; mkdir -p "$R"
 T0=$SECONDS
-pack() { tar czf "$OUT/all.tgz" -C "$OUT" r 2>/dev/null; }
-step() {  # step NAME SECONDS COMMAND...: run with a timeout, log its exit status, pack
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$R/$name.txt" 2>&1
-  echo "[$((SECONDS - T0))s] $name rc=$?" | tee -a "$R/log.txt"; pack
+pack() { tar czf "$OUT/all.tgz.tmp" -C "$OUT" r 2>/dev/null && mv "$OUT/all.tgz.tmp" "$OUT/all.tgz"; }
+step() {  # step NAME SECONDS COMMAND...: run with a timeout (then KILL 10 s on), log its exit status, pack
+  local name=$1 limit=$2 rc; shift 2
+  timeout -k 10 "$limit" "$@" > "$R/$name.txt" 2>&1
+  rc=$?
+  echo "[$((SECONDS - T0))s] $name rc=$rc" | tee -a "$R/log.txt"; pack
 }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader > "$R/gpu_$PART.txt"
-git log --oneline -1 >> "$R/gpu_$PART.txt" 2>/dev/null
+timeout 20 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader > "$R/gpu_$PART.txt" 2>&1
 SCHEMES=raw,affine8,affine4,aura8v4,aura4v4
 if [ "$PART" = 1 ]; then
   step ours_llama 140 python3 -m ops.bench_kv --random-model llama-1b --contexts 512,8192,32768 --schemes raw \
