@@ -238,15 +238,15 @@ def run_decode(loaded, args) -> list[dict]:
     if args.interleave:
         for context in args.contexts:
             rates = interleaved_rates(loaded, context, args)
+            base = rates.get("raw")
             for r in rows:
                 if r["context_tokens"] == context:
                     rate = rates[r["scheme"]]
                     r["interleaved_tokens_per_s"] = rate["tokens_per_s"]
                     r["interleaved_round_tokens_per_s"] = rate["round_tokens_per_s"]
-                    r["interleaved_ratio_to_raw"] = rate["tokens_per_s"] / rates["raw"]["tokens_per_s"] if "raw" in rates else None
+                    r["interleaved_ratio_to_raw"] = rate["tokens_per_s"] / base["tokens_per_s"] if base else None
                     r["interleaved_round_ratio_median"] = (
-                        median_round_ratio(rate["round_tokens_per_s"], rates["raw"]["round_tokens_per_s"])
-                        if "raw" in rates else None)
+                        median_round_ratio(rate["round_tokens_per_s"], base["round_tokens_per_s"]) if base else None)
                     print(json.dumps({k: v for k, v in r.items() if k.startswith(("scheme", "context", "interleaved_t", "interleaved_ra", "interleaved_round_ratio"))}),
                           flush=True)
     raw = {r["context_tokens"]: r for r in rows if r["scheme"] == "raw"}
