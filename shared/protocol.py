@@ -235,6 +235,7 @@ class PoolUsage(Struct):
     queued: Count
     max_active: Count
     max_queue: Count
+    preparing: Count = 0  # being tokenized, not yet in the pool
 
 
 class EngineUsage(Struct):

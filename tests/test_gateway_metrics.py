@@ -111,7 +111,9 @@ def test_engine_reports_controller_stats_and_revocations(gateway):
     stats = p.StatsReply(num_leases=3, num_sessions=1, engines=[p.EngineUsage(
         engine_id="e0", epoch=0, capacity_tokens=1000, reserved_tokens=70, held_tokens=30, free_tokens=900,
         bytes_per_token=10)])  # fmt: skip
-    m.refresh(pool=core.pool.stats(), engines=core.engines, stats=stats)
+    core.on_client(b"c9", p.Generate(id="t", prompt="Hi"), 1.0)  # its tokenizer job left pending
+    m.refresh(pool=core.pool.stats(), preparing=core.num_preparing, engines=core.engines, stats=stats)
+    assert value(m, "num_requests_preparing") == 1
     assert value(m, "kv_cache_usage_perc", engine_id="e0") == 48 / 1024
     assert value(m, "kv_cache_capacity_tokens", engine_id="e0") == 1024
     assert value(m, "slots_used", engine_id="e0") == 2 and value(m, "slots_max", engine_id="e0") == 4
@@ -126,12 +128,12 @@ def test_engine_reports_controller_stats_and_revocations(gateway):
     core.on_engine_cmd(b"e0:1", p.Hello(engine_id="e0", epoch=1, geometry=GEOMETRY), 3.0)  # restarted
     core.on_engine_cmd(ENGINE, p.Heartbeat(engine_id="e0", epoch=0, tokens_used=999, capacity_tokens=1024), 3.1)
     assert value(m, "engine_restarts_total", engine_id="e0") == 1
-    m.refresh(pool=core.pool.stats(), engines=core.engines, stats=None)
+    m.refresh(pool=core.pool.stats(), preparing=core.num_preparing, engines=core.engines, stats=None)
     assert value(m, "kv_tokens_reserved", engine_id="e0") == 70  # no answer: the last figures stay
     assert m.registry.get_sample_value("buttermilk:kv_cache_usage_perc", {"engine_id": "e0"}) == 48 / 1024
 
     core.engines.drop("e0", 1)
-    m.refresh(pool=core.pool.stats(), engines=core.engines, stats=None)
+    m.refresh(pool=core.pool.stats(), preparing=core.num_preparing, engines=core.engines, stats=None)
     assert m.registry.get_sample_value("buttermilk:kv_cache_usage_perc", {"engine_id": "e0"}) is None
     assert value(m, "num_engines_live") == 0
 

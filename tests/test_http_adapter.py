@@ -158,12 +158,16 @@ def test_http_level_errors_are_in_openai_shape():
              "top_k"),  # 0 and -1 mean off; below that is a mistake
             (raw(url, "POST", "/v1/chat/completions", json.dumps({**CHAT, "temperature": float("nan")}).encode()), 400,
              "bad_request", "temperature"),  # Python's json writes and reads NaN
+            *[(raw(url, "POST", "/v1/chat/completions", json.dumps({**CHAT, name: value}).encode()), 400, "bad_request",
+               name) for name, value in (("max_tokens", "2"), ("max_tokens", True), ("max_tokens", 2.5), ("seed", "7"),
+                                         ("stream", "yes"), ("stream", 1))],  # no coercion: types as on the wire
             (raw(url, "POST", "/v1/chat/completions", json.dumps({**CHAT, "model": "x"}).encode()), 404,
              "model_not_found", "model"),
             (raw(url, "POST", "/v1/completions", b'{"model": "m", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"), 400,
              "bad_request", None),  # nests past Python's recursion limit
             (raw(url, "DELETE", "/v1/sessions/" + "a" * 257), 400, "bad_request", "session_id"),  # ids: 256 at most
             (raw(url, "GET", "/v1/nowhere"), 404, "not_found", None),
+            (raw(url, "GET", "/v1/models/gpt-4"), 404, "model_not_found", "model"),
             (raw(url, "GET", "/v1/chat/completions"), 405, "method_not_allowed", None),
         ]  # fmt: skip
         for (status, headers, body), want_status, want_code, want_param in cases:
@@ -203,3 +207,28 @@ def test_disconnect_mid_stream_sends_the_core_a_cancel():
             time.sleep(0.02)
     generate, cancel = port.seen
     assert isinstance(cancel, p.Cancel) and cancel.id == generate.id and len(port.local) == 0
+
+
+def test_a_client_gone_while_sending_its_body_is_logged_as_gone_not_as_a_failure():
+    """A body cut short by the client's disconnect ends the handler quietly: no 500 traceback at error level."""
+    import socket
+
+    from structlog.testing import capture_logs
+
+    with serving(ScriptedPort(lambda msg: [])) as url, capture_logs() as logs:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"model\": \"m\"")  # 13 of the 1000 bytes promised
+        deadline = time.monotonic() + 10
+        while not any(e["event"] == "http_client_gone" for e in logs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    events = [(e["event"], e["log_level"]) for e in logs if e["event"].startswith("http_")]
+    assert events == [("http_client_gone", "info")]
+
+
+def test_the_served_model_is_retrieved_by_its_name():  # another name: 404 (test_http_level_errors_are_in_openai_shape)
+    with serving(ScriptedPort(lambda msg: [])) as url:
+        client = api(url)
+        assert client.models.retrieve("m").model_dump() == client.models.list().data[0].model_dump()
+        assert client.models.retrieve("m").id == "m"

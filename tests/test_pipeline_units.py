@@ -11,7 +11,7 @@ import pytest
 from services.controller.ledger import Ledger
 from services.controller.service import ControllerCore
 from services.gateway.clients import ClientLimits
-from services.gateway.control import ToClient, ToController, ToEngine
+from services.gateway.control import ToClient, ToController, ToEngine, ToTokenizer
 from services.gateway.core import GatewayCore
 from services.gateway.engines import EngineTable
 from services.gateway.prompts import Prompter, chat_continuation
@@ -104,6 +104,34 @@ def test_cancel_while_reserving_aborts_right_after_the_generate(core):
     assert [type(m) for m in msgs(out, ToEngine)] == [p.EngineGenerate, p.EngineAbort]
     out = core.on_engine_out(finished(rid, reason="cancelled", completion=0), 0.3)
     assert msgs(out, ToClient)[-1].finish_reason == "cancelled"
+
+
+def test_cancel_while_tokenizing_is_answered_at_once_and_the_late_tokens_are_dropped(core):
+    sends = core.on_client(CLIENT, p.Generate(id="r1", prompt="Hi"), 0.0)  # the tokenizer job is left pending
+    (job,) = [s for s in sends if isinstance(s, ToTokenizer)]
+    assert core.num_preparing == 1 and core.is_preparing(job.request_id)
+    out = core.on_client(CLIENT, p.Cancel(id="r1"), 0.1)
+    (done,) = msgs(out, ToClient)
+    assert isinstance(done, p.Done) and done.id == "r1" and done.finish_reason == "cancelled"
+    assert done.usage == p.Usage(prompt_tokens=0, completion_tokens=0)  # nothing was tokenized
+    assert not core.is_preparing(job.request_id) and core.num_streams == 0  # the service skips the job
+    late = core.on_prepared(job.request_id, job.msg, core.prompter.prepare(job.msg, job.turn), 0.2)
+    assert late == [] and core.pool.stats().active == core.pool.stats().queued == 0
+
+
+def test_tokenizing_is_bounded_by_the_pools_places_across_clients(tokenizer):
+    """Many connections' prompts waiting for the one tokenizer thread could hold a request past its queue timeout
+    (a victim waited 36.9 s behind 96 doomed 1M-character prompts): at most `max_active + max_queue` are tokenized
+    at once, the next is `overloaded` at arrival, and a place frees as soon as one is tokenized."""
+    core = make_core(tokenizer, active=1, queue=2)
+    jobs = [s for i in range(3) for s in core.on_client(b"c%d" % i, p.Generate(id="g", prompt="Hi"), 0.0)]
+    assert len(jobs) == 3 and all(isinstance(j, ToTokenizer) for j in jobs) and core.num_preparing == 3
+    (over,) = msgs(core.on_client(b"c9", p.Generate(id="late", prompt="Hi"), 0.1), ToClient)
+    assert over.id == "late" and over.code == ErrorCode.OVERLOADED and "tokenized" in over.message
+    assert over.retry_after_ms > 0
+    drive(core, core.on_prepared(jobs[0].request_id, jobs[0].msg, core.prompter.prepare(jobs[0].msg, None), 0.2))
+    assert core.num_preparing == 2
+    assert [type(s) for s in core.on_client(b"c9", p.Generate(id="now", prompt="Hi"), 0.3)] == [ToTokenizer]
 
 
 def test_stop_string_aborts_the_engine_and_reports_stop(core, tokenizer):

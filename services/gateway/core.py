@@ -9,7 +9,8 @@ and runs the tokenizer off its event loop for `ToTokenizer` sends.
 A generate's path: client `generate` → tokenize (`ToTokenizer` → `on_prepared`) → pool
 (FIFO, bounded, per-client caps) → controller `reserve` → `reserved` → engine
 `engine_generate` → `engine_tokens`… → `engine_finished` → client `done` and controller
-`release`. Every phase has a bound: tokenizing is finite, the queue has `queue_timeout_s`,
+`release`. Every phase has a bound: at most the pool's places (`max_active + max_queue`) are
+tokenized at once, each finitely, and one ended meanwhile is skipped; the queue has `queue_timeout_s`,
 the reservation `control_timeout_s`, the engine its liveness (and its own wait timeout).
 Every path ends the stream through `_end`, which sends the one terminal message, frees the
 pool place and promotes the queue. A connection that goes away (`on_client_gone`) has its
@@ -21,7 +22,7 @@ from __future__ import annotations
 import secrets
 
 from shared.detok import IncrementalDetokenizer
-from shared.errors import BadRequest, ButtermilkError, EngineFailed, ErrorCode, QueueTimeout, Unavailable
+from shared.errors import BadRequest, ButtermilkError, EngineFailed, ErrorCode, Overloaded, QueueTimeout, Unavailable
 from shared.protocol import (
     HEARTBEAT_S,
     Cancel,
@@ -139,12 +140,9 @@ class GatewayCore:
         """A `ToTokenizer` job finished: queue the request, or end it with the error."""
         stream = self._streams.get(request_id)
         if stream is None or stream.phase is not Phase.PREPARING:
-            return self._flush(now)  # ended meanwhile (client gone, session closed, shutdown)
+            return self._flush(now)  # ended meanwhile (cancelled, client gone, session closed, shutdown)
         if isinstance(result, ButtermilkError):
             self._end(stream, error_reply(result, None), now)
-        elif stream.cancel_requested:
-            usage = Usage(prompt_tokens=result.context_tokens, completion_tokens=0)
-            self._end(stream, Done(id=stream.client_id, finish_reason=FinishReason.CANCELLED, usage=usage), now)
         else:
             self._queue(stream, msg, result, now)
         return self._flush(now)
@@ -248,6 +246,16 @@ class GatewayCore:
     def num_streams(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_preparing(self) -> int:
+        """Requests being tokenized (or waiting for the tokenizer thread), not yet in the pool."""
+        return sum(s.phase is Phase.PREPARING for s in self._streams.values())
+
+    def is_preparing(self, request_id: str) -> bool:
+        """Whether the request still waits for its tokens (false once it ended); safe from the tokenizer thread."""
+        stream = self._streams.get(request_id)
+        return stream is not None and stream.phase is Phase.PREPARING
+
     # ---- generate -----------------------------------------------------------------------
 
     def _generate(self, identity: bytes, msg: Generate, now: float) -> None:
@@ -261,6 +269,10 @@ class GatewayCore:
                 reply_id = None  # the request in flight under that id keeps its one terminal message
                 raise BadRequest(f"request id {msg.id!r} is already in flight on this connection; this one is refused")
             self.clients.check_request(identity)
+            places = self.pool.max_active + self.pool.max_queue
+            if self.num_preparing >= places:  # a flood of long prompts must not hold everyone's tokenizer
+                raise Overloaded(f"{self.num_preparing} requests are being tokenized, as many as the pool has places "
+                                 f"(max_active + max_queue)", retry_after_ms=self.pool.retry_after_ms(now))
             turn = None
             if msg.session_id is not None:
                 turn = self.sessions.check_turn(owner, msg.session_id, msg.new_session)
@@ -388,7 +400,10 @@ class GatewayCore:
         if stream.cancel_requested:
             return
         stream.cancel_requested = True
-        if stream.phase is Phase.QUEUED:
+        if stream.phase is Phase.PREPARING:  # not tokenized yet: its job is skipped or its result dropped
+            self._end(stream, Done(id=stream.client_id, finish_reason=FinishReason.CANCELLED,
+                                   usage=Usage(prompt_tokens=0, completion_tokens=0)), now)
+        elif stream.phase is Phase.QUEUED:
             usage = Usage(prompt_tokens=stream.context_tokens, completion_tokens=0)
             self._end(stream, Done(id=stream.client_id, finish_reason=FinishReason.CANCELLED, usage=usage), now)
         elif stream.phase is Phase.RUNNING and not stream.text.stopped:
@@ -488,7 +503,8 @@ class GatewayCore:
 
     def _control_reply(self, msg: Message) -> None:
         s = self.pool.stats()
-        pool = PoolUsage(active=s.active, queued=s.queued, max_active=s.max_active, max_queue=s.max_queue)
+        pool = PoolUsage(active=s.active, queued=s.queued, max_active=s.max_active, max_queue=s.max_queue,
+                         preparing=self.num_preparing)
         limits = {"max_context": self.prompter.max_context, "max_tokens_cap": self.prompter.max_tokens_cap}
         self._out += self.desk.reply(msg, {"pool": pool, **limits})
 

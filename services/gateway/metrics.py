@@ -66,6 +66,7 @@ class GatewayMetrics:
 
         self.running = gauge("num_requests_running", "Requests admitted by the request pool (reserving or generating).")
         self.waiting = gauge("num_requests_waiting", "Requests waiting in the FIFO queue.")
+        self.preparing = gauge("num_requests_preparing", "Requests being tokenized, not yet in the request pool.")
         self.engines_live = gauge("num_engines_live", "Engines live at the gateway.")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV tokens in use / capacity, 0..1 (engine).", by_engine)
         self.kv_capacity = gauge("kv_cache_capacity_tokens", "KV tokens of the engine's cache.", by_engine)
@@ -159,16 +160,18 @@ class GatewayMetrics:
 
     # ---- scrape -------------------------------------------------------------------------
 
-    def refresh(self, *, pool: PoolStats, engines: EngineTable, stats: StatsReply | None) -> None:
+    def refresh(self, *, pool: PoolStats, preparing: int, engines: EngineTable, stats: StatsReply | None) -> None:
         """Set the gauges from the pool, the live engines' reports and the controller's stats.
 
         Args:
             pool (PoolStats): the request pool now.
+            preparing (int): requests being tokenized (`GatewayCore.num_preparing`).
             engines (EngineTable): which engines are live (series of the others are removed).
             stats (StatsReply | None): the controller's answer; None keeps its last figures.
         """
         self.running.set(pool.active)
         self.waiting.set(pool.queued)
+        self.preparing.set(preparing)
         self.engines_live.set(engines.num_live)
         live = {e for e in self._epochs if engines.get(e, self._epochs[e]) is not None}
         for engine_id in self._engine_labels - live:

@@ -121,7 +121,7 @@ class RequestPool:
             self._num_rejected += 1
             raise Overloaded(
                 f"{len(self._active)} requests running and {len(self._queue)} queued",
-                retry_after_ms=self._retry_after_ms(now),
+                retry_after_ms=self.retry_after_ms(now),
             )
         if self._queued_of.get(client, 0) >= self.client_max_queued:
             self._num_rejected += 1
@@ -129,7 +129,7 @@ class RequestPool:
                 f"this client has {self._active_of.get(client, 0)} requests running and "
                 f"{self._queued_of.get(client, 0)} queued (client_max_active {self.client_max_active}, "
                 f"client_max_queued {self.client_max_queued})",
-                retry_after_ms=self._retry_after_ms(now),
+                retry_after_ms=self.retry_after_ms(now),
             )
         deadline = now + self.queue_timeout_s
         self._queue[request_id] = (deadline, client)
@@ -217,7 +217,7 @@ class RequestPool:
             w = DURATION_EWMA_WEIGHT
             self._mean_active_s = w * duration_s + (1 - w) * self._mean_active_s
 
-    def _retry_after_ms(self, now: float) -> int:
+    def retry_after_ms(self, now: float) -> int:
         estimates_s = []
         if self._queue:
             estimates_s.append(next(iter(self._queue.values()))[0] - now)

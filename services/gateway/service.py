@@ -178,8 +178,10 @@ class GatewayService:
             except ProtocolError as exc:
                 self.log.info("client_frame_rejected", error=exc.message, request_id=exc.request_id)
                 await self._send(self.core.client_error(identity, exc, exc.request_id))
-                continue
-            await self._send(self._guarded(self.core.on_client, identity, msg, now))
+            else:
+                await self._send(self._guarded(self.core.on_client, identity, msg, now))
+            await asyncio.sleep(0)  # a ready socket's receive does not yield: a flood of frames must not starve the
+            # engines' token relay, heartbeats and ticks
 
     async def _engine_cmd_loop(self) -> None:
         while True:
@@ -214,16 +216,23 @@ class GatewayService:
             await asyncio.sleep(TICK_S)
 
     async def _prepare(self, job: ToTokenizer) -> None:
-        """Tokenize on the worker thread, then hand the result to the core."""
+        """Tokenize on the worker thread, then hand the result to the core; a request that ended while its job
+        waited for the thread (cancelled, its client gone) is not tokenized."""
         loop = asyncio.get_running_loop()
         try:
-            result = await loop.run_in_executor(self.res.tokenizer, self.core.prompter.prepare, job.msg, job.turn)
+            result = await loop.run_in_executor(self.res.tokenizer, self._tokenize, job)
+            if result is None:
+                return
         except ButtermilkError as exc:
             result = exc
         except Exception as exc:  # a tokenizer bug ends the request as `internal`
             self.log.exception("tokenize_failed", request_id=job.request_id)
             result = ButtermilkError(f"internal error ({type(exc).__name__})")
         await self._send(self._guarded(self.core.on_prepared, job.request_id, job.msg, result, time.monotonic()))
+
+    def _tokenize(self, job: ToTokenizer):
+        """On the tokenizer thread: the job's `Prompt`, or None where its request has ended."""
+        return self.core.prompter.prepare(job.msg, job.turn) if self.core.is_preparing(job.request_id) else None
 
     # ---- helpers ------------------------------------------------------------------------
 

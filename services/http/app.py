@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -68,6 +68,7 @@ def build_app(port: GatewayPort, metrics: GatewayMetrics, options: HttpOptions) 
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model}", api.model, methods=["GET"]),
         Route("/v1/sessions/{session_id}", api.close_session, methods=["DELETE"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/ready", api.ready, methods=["GET"]),
@@ -85,6 +86,9 @@ def _guarded(endpoint):
             return await endpoint(self, request)
         except ApiError:
             raise
+        except ClientDisconnect:  # gone while sending its body: nobody to answer, nothing was started
+            log.info("http_client_gone", path=request.url.path)
+            return Response(status_code=499)
         except Exception:
             log.exception("http_handler_failed", path=request.url.path)
             return ApiError(ErrorCode.INTERNAL, "internal error").response()
@@ -107,9 +111,21 @@ class Api:
         return await self._complete(request, parse(CompletionRequest, await _json(request)))
 
     async def models(self, request: Request) -> Response:
-        card = {"id": self.options.model_id, "object": "model", "created": self.options.created,
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict:
+        return {"id": self.options.model_id, "object": "model", "created": self.options.created,
                 "owned_by": "buttermilk", "max_model_len": self.options.max_context}  # fmt: skip
-        return JSONResponse({"object": "list", "data": [card]})
+
+    def _check_model(self, name: str) -> None:
+        """Raises: ApiError 404 `model_not_found` for a name this server does not serve (nor alias)."""
+        if name != self.options.model_id and name not in self.options.aliases:
+            raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {name!r} does not exist; this server serves "
+                           f"{self.options.model_id!r}", param="model")  # fmt: skip
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -125,7 +141,8 @@ class Api:
     async def scrape(self, request: Request) -> Response:
         reply = await self._control(Stats()) if self.port.is_serving else None
         stats = reply if isinstance(reply, StatsReply) else None
-        self.metrics.refresh(pool=self.port.core.pool.stats(), engines=self.port.core.engines, stats=stats)
+        self.metrics.refresh(pool=self.port.core.pool.stats(), preparing=self.port.core.num_preparing,
+                             engines=self.port.core.engines, stats=stats)
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 
@@ -148,9 +165,7 @@ class Api:
 
     async def _complete(self, request: Request, req: ChatCompletionRequest | CompletionRequest) -> Response:
         is_chat = isinstance(req, ChatCompletionRequest)
-        if req.model != self.options.model_id and req.model not in self.options.aliases:
-            raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {req.model!r} does not exist; this server serves "
-                           f"{self.options.model_id!r}", param="model")  # fmt: skip
+        self._check_model(req.model)
         req.check_supported()
         shape = Shape(id=("chatcmpl-" if is_chat else "cmpl-") + secrets.token_hex(12), model=self.options.model_id,
                       is_chat=is_chat, include_usage=req.include_usage, session_id=req.session_id)  # fmt: skip

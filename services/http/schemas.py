@@ -23,7 +23,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class Loose(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN and Infinity: "a finite number"
+    # NaN and Infinity: "a finite number"; strict: "2", true or 2.0 is no integer and "yes" no boolean, as on the wire
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(Loose):
