@@ -491,3 +491,14 @@ def test_controller_warns_of_an_engine_death_only_when_it_released_work():
         core.handle(ENGINE, p.EngineDead(engine_id="e0", epoch=1), 3.0)  # a crash with r1 in flight
     deaths = [(e["log_level"], e["epoch"], e["requests"]) for e in logs if e["event"] == "engine_dead"]
     assert deaths == [("info", 0, 0), ("warning", 1, 1)]
+
+
+def test_a_session_turn_cancelled_while_tokenizing_leaves_the_session_usable(core):
+    internal = first_turn(core)
+    sends = core.on_client(CLIENT, p.Generate(id="t2", prompt="And then?", session_id="s"), 2.0)
+    assert [type(s) for s in sends] == [ToTokenizer]
+    (done,) = msgs(core.on_client(CLIENT, p.Cancel(id="t2"), 2.1), ToClient)
+    assert done.finish_reason == "cancelled" and done.usage.completion_tokens == 0
+    generate = next(m for m in msgs(start(core, "t3", now=3.0, prompt="Go on", session_id="s"), ToEngine)
+                    if isinstance(m, p.EngineGenerate))
+    assert generate.session_id == internal  # the session took its next turn
