@@ -235,7 +235,7 @@ class PoolUsage(Struct):
     queued: Count
     max_active: Count
     max_queue: Count
-    preparing: Count = 0  # being tokenized, not yet in the pool
+    preparing: Count = 0  # prompts being tokenized or waiting for the tokenizer
 
 
 class EngineUsage(Struct):

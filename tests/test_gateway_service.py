@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-from services.gateway.control import ToTokenizer
 from services.gateway.service import GatewayService
 from shared import protocol as p
 
@@ -61,32 +59,3 @@ def test_a_backlog_of_client_frames_lets_other_work_run_between_frames():
 
     handled_before_other_work = asyncio.run(scenario())
     assert handled_before_other_work < n  # 1 with a yield after each frame; n when the loop held on
-
-
-class PreparingCore:
-    """A core whose request ended before the tokenizer thread reached its job."""
-
-    def __init__(self):
-        self.prepared, self.handed = 0, []
-        self.prompter = SimpleNamespace(prepare=self._prepare)
-
-    def _prepare(self, msg, turn):
-        self.prepared += 1
-
-    def is_preparing(self, request_id: str) -> bool:
-        return False
-
-    def on_prepared(self, *args):
-        self.handed.append(args)
-        return []
-
-
-def test_a_request_that_ended_while_waiting_for_the_tokenizer_is_not_tokenized():
-    """Cancelled or gone requests in the tokenizer's queue cost no tokenizing (a flood of 1M-character prompts
-    from clients that left kept the thread busy for a minute) and reach the core no more."""
-    core = PreparingCore()
-    service = GatewayService(core, addresses=None)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        service.res = SimpleNamespace(tokenizer=pool)
-        asyncio.run(service._prepare(ToTokenizer("r1", p.Generate(id="a", prompt="x" * 1000), None)))
-    assert core.prepared == 0 and core.handed == []

@@ -318,7 +318,9 @@ def test_scripted_load_counters_add_up(server, api):
     after = scrape(server)
     outcomes = [o for o, _ in results]
     finished = [u for _, u in results if u is not None]
-    assert outcomes.count("context_length_exceeded") == 2 and finished
+    # a long prompt is refused for its length, or `overloaded` first where it found the tokenizer's places full
+    assert {o for k, o in zip(kinds, outcomes) if k == "long"} <= {"context_length_exceeded", "overloaded"}
+    assert finished and all(o in ("ok", "overloaded") for k, o in zip(kinds, outcomes) if k != "long")
     assert delta(after, before, "request_received_total") == len(kinds)
     assert delta(after, before, "request_success_total") == len(finished)
     assert delta(after, before, "request_failure_total") == len(kinds) - len(finished)

@@ -49,10 +49,10 @@ class ScriptedPort:
 
 
 @contextmanager
-def serving(port: ScriptedPort, metrics: GatewayMetrics | None = None):
+def serving(port: ScriptedPort, metrics: GatewayMetrics | None = None, options: HttpOptions | None = None):
     """The app on 127.0.0.1 (a free port) in a thread; yields its base URL."""
     sock = bind("127.0.0.1:0")
-    server = make_server(build_app(port, metrics or GatewayMetrics(), HttpOptions(model_id="m")))
+    server = make_server(build_app(port, metrics or GatewayMetrics(), options or HttpOptions(model_id="m")))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -215,7 +215,8 @@ def test_a_client_gone_while_sending_its_body_is_logged_as_gone_not_as_a_failure
 
     from structlog.testing import capture_logs
 
-    with serving(ScriptedPort(lambda msg: [])) as url, capture_logs() as logs:
+    scripted = ScriptedPort(lambda msg: [])
+    with serving(scripted) as url, capture_logs() as logs:
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=5) as conn:
             conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -224,11 +225,13 @@ def test_a_client_gone_while_sending_its_body_is_logged_as_gone_not_as_a_failure
         while not any(e["event"] == "http_client_gone" for e in logs) and time.monotonic() < deadline:
             time.sleep(0.02)
     events = [(e["event"], e["log_level"]) for e in logs if e["event"].startswith("http_")]
-    assert events == [("http_client_gone", "info")]
+    assert events == [("http_client_gone", "info")] and scripted.seen == []  # nothing reached the gateway
 
 
-def test_the_served_model_is_retrieved_by_its_name():  # another name: 404 (test_http_level_errors_are_in_openai_shape)
-    with serving(ScriptedPort(lambda msg: [])) as url:
+def test_the_served_model_is_retrieved_by_its_name_or_alias():  # others: 404 (test_http_level_errors_are_in_openai_shape)
+    options = HttpOptions(model_id="m", aliases=frozenset({"default", "mlx-community/Llama-3.2-1B"}))
+    with serving(ScriptedPort(lambda msg: []), options=options) as url:
         client = api(url)
-        assert client.models.retrieve("m").model_dump() == client.models.list().data[0].model_dump()
-        assert client.models.retrieve("m").id == "m"
+        card = client.models.list().data[0].model_dump()
+        for name in ("m", "default", "mlx-community/Llama-3.2-1B"):  # the SDK sends the slash percent-encoded
+            assert client.models.retrieve(name).model_dump() == card

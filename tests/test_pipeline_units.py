@@ -114,9 +114,10 @@ def test_cancel_while_tokenizing_is_answered_at_once_and_the_late_tokens_are_dro
     (done,) = msgs(out, ToClient)
     assert isinstance(done, p.Done) and done.id == "r1" and done.finish_reason == "cancelled"
     assert done.usage == p.Usage(prompt_tokens=0, completion_tokens=0)  # nothing was tokenized
-    assert not core.is_preparing(job.request_id) and core.num_streams == 0  # the service skips the job
-    late = core.on_prepared(job.request_id, job.msg, core.prompter.prepare(job.msg, job.turn), 0.2)
-    assert late == [] and core.pool.stats().active == core.pool.stats().queued == 0
+    assert not core.is_preparing(job.request_id) and core.num_streams == 0  # the service skips the job...
+    assert core.num_preparing == 1  # ...which holds its tokenizer place until it is back
+    assert core.on_prepared(job.request_id, job.msg, None, 0.2) == [] and core.num_preparing == 0
+    assert core.pool.stats().active == core.pool.stats().queued == 0
 
 
 def test_tokenizing_is_bounded_by_the_pools_places_across_clients(tokenizer):
@@ -127,11 +128,26 @@ def test_tokenizing_is_bounded_by_the_pools_places_across_clients(tokenizer):
     jobs = [s for i in range(3) for s in core.on_client(b"c%d" % i, p.Generate(id="g", prompt="Hi"), 0.0)]
     assert len(jobs) == 3 and all(isinstance(j, ToTokenizer) for j in jobs) and core.num_preparing == 3
     (over,) = msgs(core.on_client(b"c9", p.Generate(id="late", prompt="Hi"), 0.1), ToClient)
-    assert over.id == "late" and over.code == ErrorCode.OVERLOADED and "tokenized" in over.message
+    assert over.id == "late" and over.code == ErrorCode.OVERLOADED and "tokenizer" in over.message
     assert over.retry_after_ms > 0
     drive(core, core.on_prepared(jobs[0].request_id, jobs[0].msg, core.prompter.prepare(jobs[0].msg, None), 0.2))
     assert core.num_preparing == 2
     assert [type(s) for s in core.on_client(b"c9", p.Generate(id="now", prompt="Hi"), 0.3)] == [ToTokenizer]
+    forwarded = msgs(client(core, p.Stats(id="q"), 0.4, b"c8"), ToController)[0]
+    (reply,) = msgs(core.on_controller(p.StatsReply(id=forwarded.id), 0.5), ToClient)
+    assert reply.pool.preparing == 3 and reply.pool.active == 1
+
+
+def test_cancelled_prompts_hold_their_tokenizer_place_until_the_tokenizer_is_done_with_them(tokenizer):
+    """Generate + cancel in a loop while the tokenizer is busy must not pile up jobs (each holds its prompt, up to
+    5 MiB): a cancelled request's job counts against the bound until it is back."""
+    core = make_core(tokenizer, active=1, queue=2, max_queued=1)
+    refused = []
+    for i in range(10):
+        sends = core.on_client(CLIENT, p.Generate(id=f"g{i}", prompt="Hi"), 0.0)
+        refused += [m.code for m in msgs(sends, ToClient)]
+        core.on_client(CLIENT, p.Cancel(id=f"g{i}"), 0.0)
+    assert core.num_preparing == 3 and refused == [ErrorCode.OVERLOADED] * 7
 
 
 def test_stop_string_aborts_the_engine_and_reports_stop(core, tokenizer):
@@ -502,3 +518,23 @@ def test_a_session_turn_cancelled_while_tokenizing_leaves_the_session_usable(cor
     generate = next(m for m in msgs(start(core, "t3", now=3.0, prompt="Go on", session_id="s"), ToEngine)
                     if isinstance(m, p.EngineGenerate))
     assert generate.session_id == internal  # the session took its next turn
+
+
+def test_the_tokenizer_thread_skips_a_job_whose_request_ended_and_the_core_hears_it_back(core):
+    """A cancelled or gone request waiting for the tokenizer costs no tokenizing (1M-character prompts from clients
+    that left kept the thread busy for a minute), and its place at the tokenizer frees when the job is back."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from services.gateway.service import GatewayService
+
+    (job,) = [s for s in core.on_client(CLIENT, p.Generate(id="r1", prompt="Hi"), 0.0) if isinstance(s, ToTokenizer)]
+    core.on_client(CLIENT, p.Cancel(id="r1"), 0.1)
+    calls, prepare = [], core.prompter.prepare
+    core.prompter.prepare = lambda msg, turn: calls.append(msg) or prepare(msg, turn)
+    service = GatewayService(core, addresses=None)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        service.res = SimpleNamespace(tokenizer=pool)
+        asyncio.run(service._prepare(job))
+    assert calls == [] and core.num_preparing == 0 and core.num_streams == 0

@@ -9,8 +9,8 @@ and runs the tokenizer off its event loop for `ToTokenizer` sends.
 A generate's path: client `generate` → tokenize (`ToTokenizer` → `on_prepared`) → pool
 (FIFO, bounded, per-client caps) → controller `reserve` → `reserved` → engine
 `engine_generate` → `engine_tokens`… → `engine_finished` → client `done` and controller
-`release`. Every phase has a bound: at most the pool's places (`max_active + max_queue`) are
-tokenized at once, each finitely, and one ended meanwhile is skipped; the queue has `queue_timeout_s`,
+`release`. Every phase has a bound: at most the pool's places (`max_active + max_queue`) of tokenizer
+jobs are outstanding at once, each finite, and one whose request ended meanwhile is skipped; the queue has `queue_timeout_s`,
 the reservation `control_timeout_s`, the engine its liveness (and its own wait timeout).
 Every path ends the stream through `_end`, which sends the one terminal message, frees the
 pool place and promotes the queue. A connection that goes away (`on_client_gone`) has its
@@ -111,6 +111,7 @@ class GatewayCore:
         self._next_beat = 0.0
         self._probed: dict[bytes, float] = {}  # session-holding connection -> last probe, monotonic s
         self._streams: dict[str, Stream] = {}
+        self._tokenizing: set[str] = set()  # request ids of `ToTokenizer` jobs not yet back in `on_prepared`
         self._by_client: dict[tuple[bytes, str], str] = {}
         self.desk = ControlDesk(ControlRelay(self._prefix, control_timeout_s), self.clients, self.counters)
         self._out: list[Send] = []
@@ -136,8 +137,11 @@ class GatewayCore:
                 self._forward(identity, msg, now)
         return self._flush(now)
 
-    def on_prepared(self, request_id: str, msg: Generate, result: Prompt | ButtermilkError, now: float) -> list[Send]:
-        """A `ToTokenizer` job finished: queue the request, or end it with the error."""
+    def on_prepared(self, request_id: str, msg: Generate, result: Prompt | ButtermilkError | None,
+                    now: float) -> list[Send]:
+        """A `ToTokenizer` job is back (every one must come back, None where the service skipped it because its
+        request had ended): queue the request, or end it with the error."""
+        self._tokenizing.discard(request_id)
         stream = self._streams.get(request_id)
         if stream is None or stream.phase is not Phase.PREPARING:
             return self._flush(now)  # ended meanwhile (cancelled, client gone, session closed, shutdown)
@@ -248,8 +252,9 @@ class GatewayCore:
 
     @property
     def num_preparing(self) -> int:
-        """Requests being tokenized (or waiting for the tokenizer thread), not yet in the pool."""
-        return sum(s.phase is Phase.PREPARING for s in self._streams.values())
+        """Tokenizer jobs outstanding: requests being tokenized or waiting for the tokenizer thread, ended ones
+        included until the thread has skipped them."""
+        return len(self._tokenizing)
 
     def is_preparing(self, request_id: str) -> bool:
         """Whether the request still waits for its tokens (false once it ended); safe from the tokenizer thread."""
@@ -270,9 +275,9 @@ class GatewayCore:
                 raise BadRequest(f"request id {msg.id!r} is already in flight on this connection; this one is refused")
             self.clients.check_request(identity)
             places = self.pool.max_active + self.pool.max_queue
-            if self.num_preparing >= places:  # a flood of long prompts must not hold everyone's tokenizer
-                raise Overloaded(f"{self.num_preparing} requests are being tokenized, as many as the pool has places "
-                                 f"(max_active + max_queue)", retry_after_ms=self.pool.retry_after_ms(now))
+            if self.num_preparing >= places:  # a flood of long prompts (cancelled or not) must not hold the tokenizer
+                raise Overloaded(f"{self.num_preparing} prompts are waiting for the tokenizer, as many as the pool has "
+                                 f"places (max_active + max_queue)", retry_after_ms=self.pool.retry_after_ms(now))
             turn = None
             if msg.session_id is not None:
                 turn = self.sessions.check_turn(owner, msg.session_id, msg.new_session)
@@ -295,6 +300,7 @@ class GatewayCore:
         self._streams[stream.request_id] = stream
         self._by_client[(identity, msg.id)] = stream.request_id
         self.clients.add_request(identity, stream.request_id, now)
+        self._tokenizing.add(stream.request_id)
         self._out.append(ToTokenizer(stream.request_id, msg, turn))
 
     def _queue(self, stream: Stream, msg: Generate, prompt: Prompt, now: float) -> None:

@@ -66,7 +66,7 @@ class GatewayMetrics:
 
         self.running = gauge("num_requests_running", "Requests admitted by the request pool (reserving or generating).")
         self.waiting = gauge("num_requests_waiting", "Requests waiting in the FIFO queue.")
-        self.preparing = gauge("num_requests_preparing", "Requests being tokenized, not yet in the request pool.")
+        self.preparing = gauge("num_requests_preparing", "Prompts being tokenized or waiting for the tokenizer.")
         self.engines_live = gauge("num_engines_live", "Engines live at the gateway.")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV tokens in use / capacity, 0..1 (engine).", by_engine)
         self.kv_capacity = gauge("kv_cache_capacity_tokens", "KV tokens of the engine's cache.", by_engine)
@@ -165,7 +165,7 @@ class GatewayMetrics:
 
         Args:
             pool (PoolStats): the request pool now.
-            preparing (int): requests being tokenized (`GatewayCore.num_preparing`).
+            preparing (int): tokenizer jobs outstanding (`GatewayCore.num_preparing`).
             engines (EngineTable): which engines are live (series of the others are removed).
             stats (StatsReply | None): the controller's answer; None keeps its last figures.
         """

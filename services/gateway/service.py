@@ -217,12 +217,10 @@ class GatewayService:
 
     async def _prepare(self, job: ToTokenizer) -> None:
         """Tokenize on the worker thread, then hand the result to the core; a request that ended while its job
-        waited for the thread (cancelled, its client gone) is not tokenized."""
+        waited for the thread (cancelled, its client gone) is not tokenized, and the core hears None."""
         loop = asyncio.get_running_loop()
         try:
             result = await loop.run_in_executor(self.res.tokenizer, self._tokenize, job)
-            if result is None:
-                return
         except ButtermilkError as exc:
             result = exc
         except Exception as exc:  # a tokenizer bug ends the request as `internal`

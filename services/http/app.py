@@ -68,7 +68,7 @@ def build_app(port: GatewayPort, metrics: GatewayMetrics, options: HttpOptions) 
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
-        Route("/v1/models/{model}", api.model, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.model, methods=["GET"]),  # ids may hold "/" (a Hugging Face repo)
         Route("/v1/sessions/{session_id}", api.close_session, methods=["DELETE"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/ready", api.ready, methods=["GET"]),
