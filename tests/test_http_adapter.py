@@ -228,7 +228,8 @@ def test_a_client_gone_while_sending_its_body_is_logged_as_gone_not_as_a_failure
     assert events == [("http_client_gone", "info")] and scripted.seen == []  # nothing reached the gateway
 
 
-def test_the_served_model_is_retrieved_by_its_name_or_alias():  # others: 404 (test_http_level_errors_are_in_openai_shape)
+def test_the_served_model_is_retrieved_by_its_name_or_alias():
+    """Other names are 404 `model_not_found` (test_http_level_errors_are_in_openai_shape)."""
     options = HttpOptions(model_id="m", aliases=frozenset({"default", "mlx-community/Llama-3.2-1B"}))
     with serving(ScriptedPort(lambda msg: []), options=options) as url:
         client = api(url)

@@ -9,9 +9,10 @@ and runs the tokenizer off its event loop for `ToTokenizer` sends.
 A generate's path: client `generate` → tokenize (`ToTokenizer` → `on_prepared`) → pool
 (FIFO, bounded, per-client caps) → controller `reserve` → `reserved` → engine
 `engine_generate` → `engine_tokens`… → `engine_finished` → client `done` and controller
-`release`. Every phase has a bound: at most the pool's places (`max_active + max_queue`) of tokenizer
-jobs are outstanding at once, each finite, and one whose request ended meanwhile is skipped; the queue has `queue_timeout_s`,
-the reservation `control_timeout_s`, the engine its liveness (and its own wait timeout).
+`release`. Every phase has a bound: at most the pool's places (`max_active + max_queue`) of
+tokenizer jobs are outstanding at once, each finite (one whose request ended meanwhile is
+skipped), the queue has `queue_timeout_s`, the reservation `control_timeout_s`, the engine its
+liveness (and its own wait timeout).
 Every path ends the stream through `_end`, which sends the one terminal message, frees the
 pool place and promotes the queue. A connection that goes away (`on_client_gone`) has its
 requests cancelled and its own sessions closed.

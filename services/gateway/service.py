@@ -180,8 +180,9 @@ class GatewayService:
                 await self._send(self.core.client_error(identity, exc, exc.request_id))
             else:
                 await self._send(self._guarded(self.core.on_client, identity, msg, now))
-            await asyncio.sleep(0)  # a ready socket's receive does not yield: a flood of frames must not starve the
-            # engines' token relay, heartbeats and ticks
+            # A ready socket's receive does not yield: a flood of frames must not starve the engines' token relay,
+            # the heartbeats and the ticks.
+            await asyncio.sleep(0)
 
     async def _engine_cmd_loop(self) -> None:
         while True:
