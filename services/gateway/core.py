@@ -407,10 +407,7 @@ class GatewayCore:
         if stream.cancel_requested:
             return
         stream.cancel_requested = True
-        if stream.phase is Phase.PREPARING:  # not tokenized yet: its job is skipped or its result dropped
-            self._end(stream, Done(id=stream.client_id, finish_reason=FinishReason.CANCELLED,
-                                   usage=Usage(prompt_tokens=0, completion_tokens=0)), now)
-        elif stream.phase is Phase.QUEUED:
+        if stream.phase in (Phase.PREPARING, Phase.QUEUED):  # PREPARING: context_tokens still 0, the job skipped
             usage = Usage(prompt_tokens=stream.context_tokens, completion_tokens=0)
             self._end(stream, Done(id=stream.client_id, finish_reason=FinishReason.CANCELLED, usage=usage), now)
         elif stream.phase is Phase.RUNNING and not stream.text.stopped:
