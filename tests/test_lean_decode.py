@@ -29,8 +29,9 @@ def _tiny(family: str, **extra):
 def _both_forwards(model, scheme: str, prompt_lengths=(5, 17, 33)):
     """Logits and first-layer pools of one decode step over ragged rows (mlx-lm's forward, then the lean one),
     and the pool rows the step wrote."""
-    cache = BatchedKVCache.for_model(model, CacheOptions(scheme=scheme, max_context=256), capacity_tokens=512,
-                                     page_size=16, max_slots=4)
+    rows = len(prompt_lengths)
+    cache = BatchedKVCache.for_model(model, CacheOptions(scheme=scheme, max_context=256),
+                                     capacity_tokens=max(512, 64 * rows), page_size=16, max_slots=max(4, rows))
     rng = np.random.default_rng(0)
     vocab = model.args.vocab_size
     views = [cache.acquire() for _ in prompt_lengths]
@@ -96,9 +97,10 @@ def test_compressed_lean_step_equals_mlx_lm_forward(scheme):
     assert np.mean(got_pool[written] == want_pool[written]) >= 0.95
 
 
-@pytest.mark.parametrize("prompt_lengths", [(5, 17, 33), (17,)], ids=["3 rows", "1 row"])
+@pytest.mark.parametrize("prompt_lengths", [(5, 17, 33), tuple(range(3, 23)), (17,)],
+                         ids=["3 rows", "20 rows", "1 row"])
 def test_bfloat16_lean_step_equals_mlx_lm_forward(prompt_lengths):
-    """bf16, K a multiple of 256: on CUDA, 2 to 8 rows project through `kernels.skinny_gemm` (float32 sums in
+    """bf16, K a multiple of 256: on CUDA, 2 to 32 rows project through `kernels.skinny_gemm` (float32 sums in
     another order than cuBLAS: bf16 rounding differences, which each layer carries on), one row through
     `kernels.norm_gemv` (MLX's gemv off CUDA)."""
     attention.install()

@@ -7,7 +7,7 @@ them, `ops/gpu_time.py` times them). mlx-lm's modules run `[B, L, D]` activation
 adds a weight transpose and a flatten/unflatten around its matmul, and attention reshapes and
 transposes q, k, v and its output — about 30 views per layer that launch nothing. This forward
 runs the same modules' weights on `[B, D]` activations (one token per row): the weights'
-transposes are taken once (evaluated views, no copy), 2 to 8 rows project in one launch on CUDA without a bias
+transposes are taken once (evaluated views, no copy), 2 to 32 rows project in one launch on CUDA without a bias
 (`kernels.skinny_gemm`, where MLX's cuBLASLt call costs ~20 µs more host time), the MLP's SwiGLU reads the fused gate/up output in one
 launch (`kernels.swiglu`), q, k and v come out of the fused projection
 normalized (Qwen3) and rotated in one launch (`kernels.qkv_rope`; in a decode window on CUDA, the
@@ -44,7 +44,7 @@ FAMILIES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 @dataclass(frozen=True, slots=True)
 class _Proj:
     """A projection `x @ weight.T (+ bias)` of [B, in] activations: without a bias on CUDA, one row by
-    `kernels.row_gemv` and 2 to 8 rows by `kernels.skinny_gemm`, each one launch; else MLX's matmul (`addmm`
+    `kernels.row_gemv` and 2 to 32 rows by `kernels.skinny_gemm`, each one launch; else MLX's matmul (`addmm`
     with a bias) on the weight's transpose, an evaluated view (shares the buffer), so no step traces a
     Transpose."""
 
@@ -92,7 +92,7 @@ class LeanDecoder:
     Computes what `model(tokens[:, None], cache=caches)[:, -1]` computes (same weights, same
     caches, the same operations), with fewer graph nodes; on CUDA the fused RMSNorms (after each
     residual add, and Qwen3's on q and k) sum their squares in another order, and so do projections of
-    2 to 8 half-precision rows (`kernels.skinny_gemm`, against cuBLAS) and of one (`kernels.norm_gemv` and
+    2 to 32 half-precision rows (`kernels.skinny_gemm`, against cuBLAS) and of one (`kernels.norm_gemv` and
     `kernels.row_gemv`, against MLX's gemv), so a value may differ in its last bit (and a bf16 model's logits by that, carried through the layers). Build it with `LeanDecoder.build`, which returns None for a model it
     does not serve (other families, RoPEs other than `nn.RoPE` and Llama 3's, quantized or biased
     MLPs, weights of mixed dtypes).
