@@ -102,6 +102,7 @@ _BODY = r"""
       uint4 an[R][2][U], bn[MT][U];
       if (c + U < KW / 32) load(c + U, an, bn);
       mma(a, b);
+      if (c + U >= KW / 32) break;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
 #pragma unroll
@@ -143,12 +144,14 @@ _STORE_OUT = "out[(size_t)m * N + n] = static_cast<T>(s);"
 _STORE_PART = "part[((size_t)blockIdx.y * M + m) * N + n] = s;"
 
 # KS > 1: the last block of weight tile bx to finish sums the KS partials (`part` float32 [KS, M, N]) into
-# `out`; `cnt` int32 [>= gridDim.x] is 0 before and after every launch.
+# `out`; `cnt` int32 [>= gridDim.x] is 0 before and after every launch (launches of one weight must not overlap).
 _SPLIT_TAIL = r"""
   __shared__ int last;
   __threadfence();  // this block's partials are visible device-wide before it is counted
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(const_cast<int*>(cnt) + blockIdx.x, 1) == KS - 1;
+  // atomicInc wraps at KS - 1: the KS-th arrival reads KS - 1 and leaves 0, in the same atomic operation
+  unsigned* count = reinterpret_cast<unsigned*>(const_cast<int*>(cnt)) + blockIdx.x;
+  if (threadIdx.x == 0) last = atomicInc(count, KS - 1) == KS - 1;
   __syncthreads();
   if (!last) return;
   __threadfence();
@@ -159,7 +162,6 @@ _SPLIT_TAIL = r"""
     for (int y = 0; y < KS; ++y) s += __ldcg(part + ((size_t)y * M + m) * N + n);  // L2: other blocks' writes
     out[(size_t)m * N + n] = static_cast<T>(s);
   }
-  if (threadIdx.x == 0) const_cast<int*>(cnt)[blockIdx.x] = 0;
 """
 
 
@@ -176,8 +178,11 @@ class SkinnyTuning:
     prefetch: bool = False
 
     def fits(self, rows: int, n: int, k: int) -> bool:
-        """Whether this shape divides an [rows, k] @ [n, k].T product into whole tiles and chunks, within
-        the kernel's register budget (tiles x 8-row activation tiles <= 16)."""
+        """Whether this shape divides an [rows, k] @ [n, k].T product into whole tiles and chunks, with 1 to 8
+        warps (the shared-memory sums of 8 take 32 KB at 64 rows), within the kernel's accumulator budget
+        (tiles x 8-row activation tiles <= 16)."""
+        if self.warps not in (1, 2, 4, 8) or min(self.tiles, self.splits, self.unroll) < 1:
+            return False
         return (n % (16 * self.tiles) == 0 and k % (self.splits * self.warps * 32 * self.unroll) == 0
                 and self.tiles * -(-rows // 8) <= 16)
 
@@ -197,10 +202,12 @@ def default_tuning(rows: int, n: int, k: int) -> SkinnyTuning:
         wanted = SkinnyTuning(1, 1, 8, 2, True) if long_k else SkinnyTuning(1, 1, 4, 4, True)
     else:
         wanted = SkinnyTuning(1, 2 if long_k else 1, 4 if n >= 4 * k else 8, 2, True)
-    for t in (wanted, SkinnyTuning(1, 1, wanted.warps, 1, wanted.prefetch), SkinnyTuning(1, 1, 4, 1)):
-        if t.fits(rows, n, k):
-            return t
-    return SkinnyTuning(1, 1, 8, 1)  # K % 256 == 0 (`serves`)
+    for splits in (wanted.splits, 1):  # fewer chunks a load first, then no split
+        for unroll in (4, 2, 1):
+            t = SkinnyTuning(1, splits, wanted.warps, unroll, wanted.prefetch)
+            if unroll <= wanted.unroll and t.fits(rows, n, k):
+                return t
+    return SkinnyTuning(1, 1, 4, 1)  # K % 128 == 0 (`serves`: K % 256)
 
 
 @functools.cache
@@ -249,10 +256,13 @@ def skinny_matmul(x: mx.array, weight: mx.array, tuning: SkinnyTuning | None = N
     """`x @ weight.T` of a few rows, one launch (`serves` must hold).
 
     Args:
-        x (mx.array): [M, K] activations, 2 <= M <= 64, float16/bfloat16, row-contiguous.
+        x (mx.array): [M, K] activations, 2 <= M <= 64, float16/bfloat16, row-contiguous, on a 16-byte
+            boundary (a whole array or a slice of whole rows).
         weight (mx.array): [N, K] (an `nn.Linear` weight as stored), x's dtype, row-contiguous, rows on
             16-byte boundaries (a whole array, not an offset view).
-        tuning (SkinnyTuning | None): the launch shape (`default_tuning` when None).
+        tuning (SkinnyTuning | None): the launch shape (`default_tuning` when None). A split one (KS > 1)
+            counts its blocks in one array per weight: two launches of one weight must not run at once (a
+            decode step's projections are chained by their data, so they never do).
 
     Returns:
         mx.array: [M, N] in x's dtype (float32 sums, rounded once).

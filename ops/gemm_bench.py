@@ -1,10 +1,10 @@
 """Few-row projections on the GPU (batched decode), kernel time by CUPTI: MLX's matmul (cuBLASLt) against
-`kernels.skinny_gemm` launch shapes, at llama-1b's and qwen3-1.7b's projection shapes and 8 to 64 rows.
+`kernels.skinny_gemm` launch shapes, at llama-1b's and qwen3-1.7b's projection shapes and 16 to 64 rows.
 
-Each weight is rotated over copies of at least 256 MiB in all, so every launch reads from HBM, not L2, as a
-decode step does. Reports each product's GPU time a launch (µs: every kernel and memset it ran, summed, over
-the timed launches), the weight's read rate (GB/s), and the kernel's error against a float32 product (max
-|got - ref| / max |ref|). The host's side is not here: a cuBLASLt call costs ~20 µs more of it than a custom
+Each weight is rotated over 2 to 24 copies (up to 256 MiB in all; more than the L2 at these shapes), so
+every launch reads from HBM, as a decode step does. Reports each product's GPU time a launch (µs: every
+kernel and memset it ran, summed, over the timed launches), the weight's read rate (GB/s), and the
+kernel's error against a float32 product (max |got - ref| / max |ref|). The host's side is not here: a cuBLASLt call costs ~20 µs more of it than a custom
 launch (`kernels.skinny_gemm`'s note). Where `kernels.skinny_gemm.default_tuning` comes from.
 
 Needs PyTorch with CUDA next to MLX's CUDA backend (as `ops/gpu_time.py`):

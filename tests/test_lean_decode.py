@@ -100,13 +100,13 @@ def test_compressed_lean_step_equals_mlx_lm_forward(scheme):
 @pytest.mark.parametrize("prompt_lengths", [(5, 17, 33), tuple(range(3, 23)), (17,)],
                          ids=["3 rows", "20 rows", "1 row"])
 def test_bfloat16_lean_step_equals_mlx_lm_forward(prompt_lengths):
-    """bf16, K a multiple of 256: on CUDA, 2 to 32 rows project through `kernels.skinny_gemm` (float32 sums in
-    another order than cuBLAS: bf16 rounding differences, which each layer carries on), one row through
-    `kernels.norm_gemv` (MLX's gemv off CUDA)."""
+    """bf16, K a multiple of 256: on CUDA, 2 to 32 rows project through `kernels.skinny_gemm` (at 20 rows the
+    down projection, K = 4 N, split over 2 blocks; float32 sums in another order than cuBLAS: bf16 rounding
+    differences, which each layer carries on), one row through `kernels.norm_gemv` (MLX's gemv off CUDA)."""
     attention.install()
     from mlx_lm.models import llama
 
-    args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+    args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=1024,
                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96,
                            max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True)
     mx.random.seed(4)

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import cuda_kv
+from kernels import cuda_kv, skinny_gemm
 from kernels.skinny_gemm import KERNEL_ROWS, MAX_ROWS, SkinnyTuning, default_tuning, serves, skinny_matmul
 
 ON_CUDA = cuda_kv.is_available()
@@ -55,6 +55,8 @@ def test_every_launch_shape_sums_alike_and_a_split_launch_leaves_its_counts_at_z
         pytest.skip("over the register budget")
     for i in range(3):
         _check(x * (i + 1), w, skinny_matmul(x * (i + 1), w, tuning))
+    if tuning.splits > 1:
+        assert not np.array(skinny_gemm._split_counts(w, 2048 // (16 * tuning.tiles))).any()
 
 
 def test_serves_a_few_rows_of_half_types_in_whole_tiles_on_cuda_only():
