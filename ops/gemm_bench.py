@@ -4,8 +4,9 @@
 Each weight is rotated over 2 to 24 copies (up to 256 MiB in all; more than the L2 at these shapes), so
 every launch reads from HBM, as a decode step does. Reports each product's GPU time a launch (µs: every
 kernel and memset it ran, summed, over the timed launches), the weight's read rate (GB/s), and the
-kernel's error against a float32 product (max |got - ref| / max |ref|). The host's side is not here: a cuBLASLt call costs ~20 µs more of it than a custom
-launch (`kernels.skinny_gemm`'s note). Where `kernels.skinny_gemm.default_tuning` comes from.
+kernel's error against a float32 product (max |got - ref| / max |ref|). The host's side is not here: a
+cuBLASLt call costs ~20 µs more of it than a custom launch (`kernels.skinny_gemm`'s note). Where
+`kernels.skinny_gemm.default_tuning` comes from.
 
 Needs PyTorch with CUDA next to MLX's CUDA backend (as `ops/gpu_time.py`):
 
@@ -53,7 +54,7 @@ def label(t: SkinnyTuning) -> str:
 
 
 def weight_copies(n: int, k: int, rng: np.random.Generator) -> list[mx.array]:
-    """A random bf16 [n, k] weight in distinct buffers of ROTATION_BYTES in all (at least 2)."""
+    """A random bf16 [n, k] weight in 2 to 24 distinct buffers, up to ROTATION_BYTES in all."""
     count = max(2, min(24, -(-ROTATION_BYTES // (n * k * 2))))
     w0 = mx.array(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)).astype(mx.bfloat16)
     copies = [mx.contiguous(w0 + mx.array(0.0, mx.bfloat16) * i) for i in range(count)]
