@@ -273,16 +273,22 @@ def skinny_matmul(x: mx.array, weight: mx.array, tuning: SkinnyTuning | None = N
     if not serves(x, weight, KERNEL_ROWS):
         raise ValueError(f"skinny_matmul takes [2..{KERNEL_ROWS}, K] @ [N, K].T in fp16/bf16 on CUDA, K % 256 == 0 and "
                          f"N % 16 == 0; got {x.shape} {x.dtype} and {weight.shape} {weight.dtype}")
+    if tuning is not None and not tuning.fits(x.shape[0], weight.shape[0], x.shape[1]):
+        raise ValueError(f"{tuning} does not fit [{x.shape[0]}, {x.shape[1]}] @ [{weight.shape[0]}, {x.shape[1]}].T")
+    return launch(x, weight, tuning)
+
+
+def launch(x: mx.array, weight: mx.array, tuning: SkinnyTuning | None = None) -> mx.array:
+    """`skinny_matmul` without its checks, for a caller that has `serves(x, weight)` (the decode step's
+    projections, where each check is host time a step)."""
     rows, k = x.shape
     n = weight.shape[0]
     t = tuning or default_tuning(rows, n, k)
-    if tuning is not None and not t.fits(rows, n, k):
-        raise ValueError(f"{t} does not fit [{rows}, {k}] @ [{n}, {k}].T")
-    tiles, launch = _launch(x.dtype, rows, n, k, t)
+    tiles, launch_args = _launch(x.dtype, rows, n, k, t)
     if t.splits == 1:
-        (out,) = _kernel(False)(inputs=[x, weight], output_shapes=[(rows, n)], output_dtypes=[x.dtype], **launch)
+        (out,) = _kernel(False)(inputs=[x, weight], output_shapes=[(rows, n)], output_dtypes=[x.dtype], **launch_args)
     else:
         out, _ = _kernel(True)(inputs=[x, weight, _split_counts(weight, tiles)],
                                output_shapes=[(rows, n), (t.splits, rows, n)], output_dtypes=[x.dtype, mx.float32],
-                               **launch)
+                               **launch_args)
     return out

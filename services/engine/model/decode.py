@@ -30,10 +30,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels import norm_gemv, row_gemv
+from kernels import norm_gemv, row_gemv, skinny_gemm
 from kernels.fused_norm import add_rms_norm
 from kernels.qkv_rope import RopeSpec, split_qkv_rope, split_qkv_rope_store, stores
-from kernels.skinny_gemm import serves, skinny_matmul
 from kernels.swiglu import swiglu_halves
 
 from .fuse import FusedView
@@ -64,7 +63,7 @@ class _Proj:
             return mx.addmm(self.bias, x, self.weight_t)
         if self.row is not None and x.shape[0] == 1 and x.dtype == self.weight.dtype:
             return row_gemv.launch(x, self.weight, self.row)
-        return skinny_matmul(x, self.weight) if serves(x, self.weight) else x @ self.weight_t
+        return skinny_gemm.launch(x, self.weight) if skinny_gemm.serves(x, self.weight) else x @ self.weight_t
 
 
 @dataclass(frozen=True, slots=True)
