@@ -126,28 +126,81 @@ def test_tokenizing_is_bounded_by_the_pools_places_across_clients(tokenizer):
     at once, the next is `overloaded` at arrival, and a place frees as soon as one is tokenized."""
     core = make_core(tokenizer, active=1, queue=2)
     jobs = [s for i in range(3) for s in core.on_client(b"c%d" % i, p.Generate(id="g", prompt="Hi"), 0.0)]
-    assert len(jobs) == 3 and all(isinstance(j, ToTokenizer) for j in jobs) and core.num_preparing == 3
+    assert len(jobs) == 1 and isinstance(jobs[0], ToTokenizer) and core.num_preparing == 3  # one job on the thread
     (over,) = msgs(core.on_client(b"c9", p.Generate(id="late", prompt="Hi"), 0.1), ToClient)
     assert over.id == "late" and over.code == ErrorCode.OVERLOADED and "tokenizer" in over.message
     assert over.retry_after_ms > 0
-    drive(core, core.on_prepared(jobs[0].request_id, jobs[0].msg, core.prompter.prepare(jobs[0].msg, None), 0.2))
-    assert core.num_preparing == 2
-    assert [type(s) for s in core.on_client(b"c9", p.Generate(id="now", prompt="Hi"), 0.3)] == [ToTokenizer]
+    out = core.on_prepared(jobs[0].request_id, jobs[0].msg, core.prompter.prepare(jobs[0].msg, None), 0.2)
+    assert core.num_preparing == 2 and len([s for s in out if isinstance(s, ToTokenizer)]) == 1  # c1's, next
+    assert core.on_client(b"c9", p.Generate(id="now", prompt="Hi"), 0.3) == []  # waits behind c1's and c2's
     forwarded = msgs(client(core, p.Stats(id="q"), 0.4, b"c8"), ToController)[0]
     (reply,) = msgs(core.on_controller(p.StatsReply(id=forwarded.id), 0.5), ToClient)
     assert reply.pool.preparing == 3 and reply.pool.active == 1
 
 
-def test_cancelled_prompts_hold_their_tokenizer_place_until_the_tokenizer_is_done_with_them(tokenizer):
+def tokenize_in_turn(core, sends, now=1.0):
+    """Run the tokenizer thread's jobs one at a time, as the service does; the (connection, client id) order."""
+    order = []
+    jobs = [s for s in sends if isinstance(s, ToTokenizer)]
+    while jobs:
+        (job,) = jobs
+        order.append((core._streams[job.request_id].client, job.msg.id))
+        out = core.on_prepared(job.request_id, job.msg, core.prompter.prepare(job.msg, None), now)
+        jobs = [s for s in out if isinstance(s, ToTokenizer)]
+    return order
+
+
+def test_the_tokenizer_thread_serves_connections_round_robin(tokenizer):
+    """A connection with one prompt waits behind one job of each other connection, not behind all of them: A sends
+    five while its first is on the thread, then B two and C one; FIFO would give a1..a5 b1 b2 c1."""
+    core = make_core(tokenizer, active=1, queue=20)
+    sends = []
+    for identity, ids in ((b"A", "a1 a2 a3 a4 a5"), (b"B", "b1 b2"), (b"C", "c1")):
+        for request_id in ids.split():
+            sends += core.on_client(identity, p.Generate(id=request_id, prompt="Hi"), 0.0)
+    assert core.num_preparing == 8
+    order = tokenize_in_turn(core, sends)
+    assert order == [(b"A", "a1"), (b"A", "a2"), (b"B", "b1"), (b"C", "c1"), (b"A", "a3"), (b"B", "b2"),
+                     (b"A", "a4"), (b"A", "a5")]  # fmt: skip
+    assert core.num_preparing == 0 and core.num_streams == 8
+
+
+def test_a_full_tokenizer_makes_the_connection_holding_the_most_give_way(tokenizer):
+    """A flood from one connection cannot lock the others out of the tokenizer: at the bound (4 places here) a
+    newcomer takes the place of the heaviest connection's newest waiting prompt, which ends `overloaded`, until
+    the two hold as many; the job on the thread is never the one to go."""
+    core = make_core(tokenizer, active=1, queue=3)
+    sends = [s for i in range(1, 5) for s in core.on_client(b"A", p.Generate(id=f"a{i}", prompt="Hi"), 0.0)]
+    assert core.num_preparing == 4
+    out = core.on_client(b"B", p.Generate(id="b1", prompt="Hi"), 0.1)
+    (gone,) = msgs(out, ToClient)
+    assert (gone.id, gone.code) == ("a4", ErrorCode.OVERLOADED) and "made way" in gone.message
+    assert gone.retry_after_ms > 0 and core.num_preparing == 4
+    assert errors_by_id(core.on_client(b"B", p.Generate(id="b2", prompt="Hi"), 0.2)) == {"a3": ErrorCode.OVERLOADED}
+    (refused,) = msgs(core.on_client(b"B", p.Generate(id="b3", prompt="Hi"), 0.3), ToClient)  # A 2, B 2: even
+    assert (refused.id, refused.code) == ("b3", ErrorCode.OVERLOADED) and "waiting for the tokenizer" in refused.message
+    assert tokenize_in_turn(core, sends) == [(b"A", "a1"), (b"A", "a2"), (b"B", "b1"), (b"B", "b2")]
+    assert core.num_preparing == 0 and core.num_streams == 4 and core.pool.stats().active == 1
+
+
+def test_a_waiting_job_whose_request_ended_frees_its_place_at_once_and_is_never_tokenized(core):
+    sends = core.on_client(CLIENT, p.Generate(id="r1", prompt="Hi"), 0.0)
+    assert core.on_client(CLIENT, p.Generate(id="r2", prompt="Hi"), 0.0) == []  # waits behind r1
+    (done,) = msgs(core.on_client(CLIENT, p.Cancel(id="r2"), 0.1), ToClient)
+    assert done.finish_reason == "cancelled" and core.num_preparing == 1
+    assert tokenize_in_turn(core, sends) == [(CLIENT, "r1")] and core.num_preparing == 0
+
+
+def test_cancelled_prompts_do_not_pile_up_at_the_tokenizer(tokenizer):
     """Generate + cancel in a loop while the tokenizer is busy must not pile up jobs (each holds its prompt, up to
-    5 MiB): a cancelled request's job counts against the bound until it is back."""
+    5 MiB): a cancelled request's waiting job is dropped at once; the one on the thread counts until it is back."""
     core = make_core(tokenizer, active=1, queue=2, max_queued=1)
     refused = []
     for i in range(10):
         sends = core.on_client(CLIENT, p.Generate(id=f"g{i}", prompt="Hi"), 0.0)
         refused += [m.code for m in msgs(sends, ToClient)]
         core.on_client(CLIENT, p.Cancel(id=f"g{i}"), 0.0)
-    assert core.num_preparing == 3 and refused == [ErrorCode.OVERLOADED] * 7
+    assert core.num_preparing == 1 and refused == [] and core.num_streams == 0
 
 
 def test_stop_string_aborts_the_engine_and_reports_stop(core, tokenizer):
@@ -515,6 +568,8 @@ def test_a_session_turn_cancelled_while_tokenizing_leaves_the_session_usable(cor
     assert [type(s) for s in sends] == [ToTokenizer]
     (done,) = msgs(core.on_client(CLIENT, p.Cancel(id="t2"), 2.1), ToClient)
     assert done.finish_reason == "cancelled" and done.usage.completion_tokens == 0
+    (job,) = sends
+    assert core.on_prepared(job.request_id, job.msg, None, 2.2) == []  # the thread skipped it
     generate = next(m for m in msgs(start(core, "t3", now=3.0, prompt="Go on", session_id="s"), ToEngine)
                     if isinstance(m, p.EngineGenerate))
     assert generate.session_id == internal  # the session took its next turn
@@ -538,3 +593,17 @@ def test_the_tokenizer_thread_skips_a_job_whose_request_ended_and_the_core_hears
         service.res = SimpleNamespace(tokenizer=pool)
         asyncio.run(service._prepare(job))
     assert calls == [] and core.num_preparing == 0 and core.num_streams == 0
+
+
+def test_the_tokenizer_queue_refuses_a_second_job_for_a_request_and_a_stray_done():
+    from services.gateway.tokenizer_queue import TokenizerQueue
+
+    queue, job = TokenizerQueue(), ToTokenizer("r1", p.Generate(id="g", prompt="Hi"), None)
+    queue.add(b"A", job)
+    with pytest.raises(ValueError, match="r1"):
+        queue.add(b"B", job)
+    assert queue.next() is job and queue.next() is None and queue.remove("r1") is False  # on the thread: stays
+    with pytest.raises(KeyError, match="r2"):
+        queue.done("r2")
+    queue.done("r1")
+    assert len(queue) == 0 and queue.held_by(b"A") == 0

@@ -10,9 +10,11 @@ A generate's path: client `generate` → tokenize (`ToTokenizer` → `on_prepare
 (FIFO, bounded, per-client caps) → controller `reserve` → `reserved` → engine
 `engine_generate` → `engine_tokens`… → `engine_finished` → client `done` and controller
 `release`. Every phase has a bound: at most the pool's places (`max_active + max_queue`) of
-tokenizer jobs are outstanding at once, each finite (one whose request ended meanwhile is
-skipped), the queue has `queue_timeout_s`, the reservation `control_timeout_s`, the engine its
-liveness (and its own wait timeout).
+tokenizer jobs are outstanding at once, handed to the one tokenizer thread round robin across
+connections (`tokenizer_queue.py`; a full queue makes the connection holding the most give way),
+each finite (one whose request ended meanwhile is dropped or skipped), the queue has
+`queue_timeout_s`, the reservation `control_timeout_s`, the engine its liveness (and its own
+wait timeout).
 Every path ends the stream through `_end`, which sends the one terminal message, frees the
 pool place and promotes the queue. A connection that goes away (`on_client_gone`) has its
 requests cancelled and its own sessions closed.
@@ -67,6 +69,7 @@ from .pool import Admitted, RequestPool
 from .prompts import Prompt, Prompter, Turn
 from .session_table import SessionTable, session_owner
 from .streams import Phase, Stream
+from .tokenizer_queue import TokenizerQueue
 
 KEEPALIVE_S = 0.5  # a connection with requests in flight hears something at least this often
 SESSION_PROBE_S = 2.0  # a connection holding sessions between turns gets a keepalive this often
@@ -112,7 +115,7 @@ class GatewayCore:
         self._next_beat = 0.0
         self._probed: dict[bytes, float] = {}  # session-holding connection -> last probe, monotonic s
         self._streams: dict[str, Stream] = {}
-        self._tokenizing: set[str] = set()  # request ids of `ToTokenizer` jobs not yet back in `on_prepared`
+        self._tokenizer = TokenizerQueue()  # `ToTokenizer` jobs waiting, and the one on the thread
         self._by_client: dict[tuple[bytes, str], str] = {}
         self.desk = ControlDesk(ControlRelay(self._prefix, control_timeout_s), self.clients, self.counters)
         self._out: list[Send] = []
@@ -142,14 +145,14 @@ class GatewayCore:
                     now: float) -> list[Send]:
         """A `ToTokenizer` job is back (every one must come back, None where the service skipped it because its
         request had ended): queue the request, or end it with the error."""
-        self._tokenizing.discard(request_id)
+        self._tokenizer.done(request_id)
         stream = self._streams.get(request_id)
-        if stream is None or stream.phase is not Phase.PREPARING:
-            return self._flush(now)  # ended meanwhile (cancelled, client gone, session closed, shutdown)
-        if isinstance(result, ButtermilkError):
-            self._end(stream, error_reply(result, None), now)
-        else:
-            self._queue(stream, msg, result, now)
+        if stream is not None and stream.phase is Phase.PREPARING:  # else ended meanwhile (cancel, shutdown…)
+            if isinstance(result, ButtermilkError):
+                self._end(stream, error_reply(result, None), now)
+            else:
+                self._queue(stream, msg, result, now)
+        self._dispatch()
         return self._flush(now)
 
     def on_client_gone(self, identity: bytes, now: float) -> list[Send]:
@@ -253,9 +256,9 @@ class GatewayCore:
 
     @property
     def num_preparing(self) -> int:
-        """Tokenizer jobs outstanding: requests being tokenized or waiting for the tokenizer thread, ended ones
-        included until the thread has skipped them."""
-        return len(self._tokenizing)
+        """Tokenizer jobs outstanding: requests waiting for the tokenizer thread, and the one it has (counted
+        until it is back, even where its request ended meanwhile)."""
+        return len(self._tokenizer)
 
     def is_preparing(self, request_id: str) -> bool:
         """Whether the request still waits for its tokens (false once it ended); safe from the tokenizer thread."""
@@ -275,15 +278,12 @@ class GatewayCore:
                 reply_id = None  # the request in flight under that id keeps its one terminal message
                 raise BadRequest(f"request id {msg.id!r} is already in flight on this connection; this one is refused")
             self.clients.check_request(identity)
-            places = self.pool.max_active + self.pool.max_queue
-            if self.num_preparing >= places:  # a flood of long prompts (cancelled or not) must not hold the tokenizer
-                raise Overloaded(f"{self.num_preparing} prompts are waiting for the tokenizer, as many as the pool has "
-                                 f"places (max_active + max_queue)", retry_after_ms=self.pool.retry_after_ms(now))
             turn = None
             if msg.session_id is not None:
                 turn = self.sessions.check_turn(owner, msg.session_id, msg.new_session)
                 if msg.new_session:
                     self.clients.check_sessions(self.sessions.num_started_by(identity))
+            self._make_tokenizer_room(identity, now)
         except ButtermilkError as exc:
             self.observer.refused(exc.code.value, now)
             self._out.append(ToClient(identity, error_reply(exc, reply_id)))
@@ -301,8 +301,32 @@ class GatewayCore:
         self._streams[stream.request_id] = stream
         self._by_client[(identity, msg.id)] = stream.request_id
         self.clients.add_request(identity, stream.request_id, now)
-        self._tokenizing.add(stream.request_id)
-        self._out.append(ToTokenizer(stream.request_id, msg, turn))
+        self._tokenizer.add(identity, ToTokenizer(stream.request_id, msg, turn))
+        self._dispatch()
+
+    def _make_tokenizer_room(self, identity: bytes, now: float) -> None:
+        """Raises Overloaded when the tokenizer's jobs are at the pool's places (a flood of long prompts must not
+        hold the one thread) and no connection holds two more than `identity`; else, at the bound, that
+        connection's newest waiting prompt ends `overloaded` to make room."""
+        places = self.pool.max_active + self.pool.max_queue
+        if self.num_preparing < places:
+            return
+        retry_ms = self.pool.retry_after_ms(now)
+        victim = self._tokenizer.victim_for(identity)
+        if victim is None:
+            raise Overloaded(f"{self.num_preparing} prompts are waiting for the tokenizer, as many as the pool has "
+                             f"places (max_active + max_queue)", retry_after_ms=retry_ms)
+        stream = self._streams[victim]
+        held = self._tokenizer.held_by(stream.client)
+        exc = Overloaded(f"the tokenizer's {places} places are full and this connection held {held} of them, the "
+                         f"most: its newest prompt made way for another connection's", retry_after_ms=retry_ms)
+        self._end(stream, error_reply(exc, None), now)
+
+    def _dispatch(self) -> None:
+        """Hand the tokenizer thread its next job, round robin across connections, if it has none."""
+        job = self._tokenizer.next()
+        if job is not None:
+            self._out.append(job)
 
     def _queue(self, stream: Stream, msg: Generate, prompt: Prompt, now: float) -> None:
         """Tokenized: set the stream's input and ask the pool for a place."""
@@ -486,6 +510,8 @@ class GatewayCore:
         self.observer.ended(stream, terminal, now)
         if not stream.client_gone:
             self._out.append(ToClient(stream.client, terminal))
+        if stream.phase is Phase.PREPARING:
+            self._tokenizer.remove(stream.request_id)  # a waiting job goes; the thread's comes back and is dropped
         del self._streams[stream.request_id]
         del self._by_client[(stream.client, stream.client_id)]
         self.clients.end_request(stream.client, stream.request_id)

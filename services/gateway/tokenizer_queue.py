@@ -1,0 +1,92 @@
+"""Tokenizer jobs waiting for the gateway's one tokenizer thread, shared fairly across connections. Pure.
+
+The thread takes one job at a time, round robin over the connections with jobs waiting (each
+connection's own jobs in arrival order): a connection that sent one prompt waits behind at most
+one job of each other connection, not behind everything queued before it. This is round-robin
+fair queuing with a quantum of one job (Nagle, "On Packet Switches with Infinite Storage",
+IEEE Trans. Commun. 1987); jobs are bounded in size by the prompt limits, not weighed by it.
+
+When the bound on outstanding jobs is reached (`GatewayCore` sets it to the pool's places), a
+newcomer takes the place of the newest waiting job of the connection holding the most, as long
+as that connection then still holds at least as many as the newcomer's: a flood from a few
+connections cannot lock the others out (drop from the longest queue, as in FQ-CoDel, RFC 8290
+section 4.1.2).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from .control import ToTokenizer
+
+
+class TokenizerQueue:
+    """Jobs waiting for the tokenizer thread, per connection, and the one job on the thread.
+
+    `len()` counts both: the jobs outstanding. Identities are ROUTER identities (bytes).
+    """
+
+    def __init__(self) -> None:
+        self._waiting: OrderedDict[bytes, deque[ToTokenizer]] = OrderedDict()  # turn order: first goes next
+        self._owner: dict[str, bytes] = {}  # request id -> connection, for every job outstanding
+        self._on_thread: str | None = None  # request id of the job the thread has
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def held_by(self, identity: bytes) -> int:
+        """Jobs the connection has outstanding (waiting or on the thread)."""
+        waiting = self._waiting.get(identity)
+        on_thread = self._on_thread is not None and self._owner[self._on_thread] == identity
+        return (len(waiting) if waiting else 0) + on_thread
+
+    def add(self, identity: bytes, job: ToTokenizer) -> None:
+        """Queue a job behind the connection's earlier ones. Raises ValueError for a request id already here."""
+        if job.request_id in self._owner:
+            raise ValueError(f"request {job.request_id!r} already has a tokenizer job")
+        self._owner[job.request_id] = identity
+        self._waiting.setdefault(identity, deque()).append(job)
+
+    def next(self) -> ToTokenizer | None:
+        """The job to hand the thread now, or None while it has one (or none waits); round robin."""
+        if self._on_thread is not None or not self._waiting:
+            return None
+        identity, jobs = next(iter(self._waiting.items()))
+        job = jobs.popleft()
+        if jobs:
+            self._waiting.move_to_end(identity)
+        else:
+            del self._waiting[identity]
+        self._on_thread = job.request_id
+        return job
+
+    def done(self, request_id: str) -> None:
+        """The thread is back with `request_id`'s job (tokenized or skipped). Raises KeyError for another."""
+        if request_id != self._on_thread:
+            raise KeyError(f"request {request_id!r} is not the job on the tokenizer thread")
+        self._on_thread = None
+        del self._owner[request_id]
+
+    def remove(self, request_id: str) -> bool:
+        """Drop a waiting job whose request ended; False when it is on the thread (it comes back) or not here."""
+        identity = self._owner.get(request_id)
+        if identity is None or request_id == self._on_thread:
+            return False
+        jobs = self._waiting[identity]
+        jobs.remove(next(j for j in jobs if j.request_id == request_id))
+        if not jobs:
+            del self._waiting[identity]
+        del self._owner[request_id]
+        return True
+
+    def victim_for(self, identity: bytes) -> str | None:
+        """The request id whose waiting job should make way for a new one of `identity`, or None.
+
+        The newest waiting job of the connection holding the most, when it holds at least two more than
+        `identity` (so that after the swap it still holds no fewer than `identity`).
+        """
+        own = self.held_by(identity)
+        best = max(self._waiting, key=self.held_by, default=None)
+        if best is None or best == identity or self.held_by(best) < own + 2:
+            return None
+        return self._waiting[best][-1].request_id
