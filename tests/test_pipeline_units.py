@@ -607,3 +607,18 @@ def test_the_tokenizer_queue_refuses_a_second_job_for_a_request_and_a_stray_done
         queue.done("r2")
     queue.done("r1")
     assert len(queue) == 0 and queue.held_by(b"A") == 0
+
+
+def test_a_handler_bug_on_one_prompt_does_not_stall_the_tokenizer(core, monkeypatch):
+    """The service logs a core handler's exception and goes on; the thread's next job must still go out."""
+    (job,) = core.on_client(CLIENT, p.Generate(id="r1", prompt="Hi"), 0.0)
+    assert core.on_client(CLIENT, p.Generate(id="r2", prompt="Hi"), 0.0) == []
+
+    def bug(*args):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(core, "_queue", bug)
+    with pytest.raises(RuntimeError):
+        core.on_prepared(job.request_id, job.msg, core.prompter.prepare(job.msg, None), 0.1)
+    (nxt,) = [s for s in core.tick(0.2) if isinstance(s, ToTokenizer)]  # flushed with the next handler's sends
+    assert nxt.msg.id == "r2"

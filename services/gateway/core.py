@@ -147,12 +147,14 @@ class GatewayCore:
         request had ended): queue the request, or end it with the error."""
         self._tokenizer.done(request_id)
         stream = self._streams.get(request_id)
-        if stream is not None and stream.phase is Phase.PREPARING:  # else ended meanwhile (cancel, shutdown…)
-            if isinstance(result, ButtermilkError):
-                self._end(stream, error_reply(result, None), now)
-            else:
-                self._queue(stream, msg, result, now)
-        self._dispatch()
+        try:
+            if stream is not None and stream.phase is Phase.PREPARING:  # else ended meanwhile (cancel, shutdown…)
+                if isinstance(result, ButtermilkError):
+                    self._end(stream, error_reply(result, None), now)
+                else:
+                    self._queue(stream, msg, result, now)
+        finally:
+            self._dispatch()  # whatever this request met, the thread's next job goes out (on the next flush)
         return self._flush(now)
 
     def on_client_gone(self, identity: bytes, now: float) -> list[Send]:
