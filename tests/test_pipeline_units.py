@@ -610,7 +610,8 @@ def test_the_tokenizer_queue_refuses_a_second_job_for_a_request_and_a_stray_done
 
 
 def test_a_handler_bug_on_one_prompt_does_not_stall_the_tokenizer(core, monkeypatch):
-    """The service logs a core handler's exception and goes on; the thread's next job must still go out."""
+    """The service logs a core handler's exception and goes on: the request ends `internal` (not left waiting for
+    its tokens forever, holding its place) and the thread's next job still goes out."""
     (job,) = core.on_client(CLIENT, p.Generate(id="r1", prompt="Hi"), 0.0)
     assert core.on_client(CLIENT, p.Generate(id="r2", prompt="Hi"), 0.0) == []
 
@@ -620,5 +621,17 @@ def test_a_handler_bug_on_one_prompt_does_not_stall_the_tokenizer(core, monkeypa
     monkeypatch.setattr(core, "_queue", bug)
     with pytest.raises(RuntimeError):
         core.on_prepared(job.request_id, job.msg, core.prompter.prepare(job.msg, None), 0.1)
-    (nxt,) = [s for s in core.tick(0.2) if isinstance(s, ToTokenizer)]  # flushed with the next handler's sends
-    assert nxt.msg.id == "r2"
+    sends = core.tick(0.2)  # the sends are flushed with the next handler's
+    (nxt,) = [s for s in sends if isinstance(s, ToTokenizer)]
+    assert nxt.msg.id == "r2" and errors_by_id(sends) == {"r1": ErrorCode.INTERNAL} and core.num_streams == 1
+
+
+def test_an_ended_prompt_on_the_thread_counts_for_no_connection_when_one_must_give_way(tokenizer):
+    """A's a1 is cancelled while the thread has it: A's one live prompt (a2) is as many as B's will be, so B's
+    newcomer is refused rather than take A's last place."""
+    core = make_core(tokenizer, active=1, queue=2)
+    for identity, request_id in ((b"A", "a1"), (b"A", "a2"), (b"C", "c1")):
+        core.on_client(identity, p.Generate(id=request_id, prompt="Hi"), 0.0)
+    core.on_client(b"A", p.Cancel(id="a1"), 0.0)
+    assert core.num_preparing == 3  # a1 holds its place until the thread is back with it
+    assert errors_by_id(core.on_client(b"B", p.Generate(id="b1", prompt="Hi"), 0.1)) == {"b1": ErrorCode.OVERLOADED}

@@ -153,6 +153,10 @@ class GatewayCore:
                     self._end(stream, error_reply(result, None), now)
                 else:
                     self._queue(stream, msg, result, now)
+        except Exception:  # a bug: the request ends `internal` rather than wait in PREPARING forever
+            if self._streams.get(request_id) is stream and stream is not None:
+                self._end(stream, error_reply(ButtermilkError("internal error while queueing the prompt"), None), now)
+            raise
         finally:
             self._dispatch()  # whatever this request met, the thread's next job goes out (on the next flush)
         return self._flush(now)

@@ -1,8 +1,9 @@
 """Tokenizer jobs waiting for the gateway's one tokenizer thread, shared fairly across connections. Pure.
 
 The thread takes one job at a time, round robin over the connections with jobs waiting (each
-connection's own jobs in arrival order): a connection that sent one prompt waits behind at most
-one job of each other connection, not behind everything queued before it. This is round-robin
+connection's own jobs in arrival order): a connection that sent one prompt waits behind the job
+on the thread and at most one waiting job of each other connection, not behind everything queued
+before it. This is round-robin
 fair queuing with a quantum of one job (Nagle, "On Packet Switches with Infinite Storage",
 IEEE Trans. Commun. 1987); jobs are bounded in size by the prompt limits, not weighed by it.
 
@@ -30,6 +31,7 @@ class TokenizerQueue:
         self._waiting: OrderedDict[bytes, deque[ToTokenizer]] = OrderedDict()  # turn order: first goes next
         self._owner: dict[str, bytes] = {}  # request id -> connection, for every job outstanding
         self._on_thread: str | None = None  # request id of the job the thread has
+        self._thread_live = False  # its request has not ended (an ended one counts for no connection)
 
     def __len__(self) -> int:
         return len(self._owner)
@@ -37,7 +39,7 @@ class TokenizerQueue:
     def held_by(self, identity: bytes) -> int:
         """Jobs the connection has outstanding (waiting or on the thread)."""
         waiting = self._waiting.get(identity)
-        on_thread = self._on_thread is not None and self._owner[self._on_thread] == identity
+        on_thread = self._thread_live and self._owner[self._on_thread] == identity
         return (len(waiting) if waiting else 0) + on_thread
 
     def add(self, identity: bytes, job: ToTokenizer) -> None:
@@ -57,19 +59,22 @@ class TokenizerQueue:
             self._waiting.move_to_end(identity)
         else:
             del self._waiting[identity]
-        self._on_thread = job.request_id
+        self._on_thread, self._thread_live = job.request_id, True
         return job
 
     def done(self, request_id: str) -> None:
         """The thread is back with `request_id`'s job (tokenized or skipped). Raises KeyError for another."""
         if request_id != self._on_thread:
             raise KeyError(f"request {request_id!r} is not the job on the tokenizer thread")
-        self._on_thread = None
+        self._on_thread, self._thread_live = None, False
         del self._owner[request_id]
 
     def remove(self, request_id: str) -> bool:
-        """Drop a waiting job whose request ended; False when it is on the thread (it comes back) or not here."""
+        """Drop a waiting job whose request ended; False when it is on the thread (it still counts in `len()`
+        until it is back, and no longer for its connection) or not here."""
         identity = self._owner.get(request_id)
+        if request_id == self._on_thread:
+            self._thread_live = False
         if identity is None or request_id == self._on_thread:
             return False
         jobs = self._waiting[identity]
