@@ -14,9 +14,10 @@ is its median ITL at N=1 minus each baseline's median per-token decode time.
     python -m ops.loadgen --start --concurrency 1,4,8          # starts `buttermilk serve` itself
     python -m ops.loadgen --address tcp://127.0.0.1:5555       # a server already running
     python -m ops.loadgen --workload prefix --schemes all      # shared system prompt (ops/prefix_workload.py)
+    python -m ops.loadgen --workload flood --start             # one prompt through a flood (ops/flood_workload.py)
 
-Prints JSON and writes it to `ops/results/loadgen_<device>.json` (the prefix workload:
-`loadgen_prefix_<device>.json`; a benchmark, not a test).
+Prints JSON and writes it to `ops/results/loadgen_<device>.json` (the other workloads:
+`loadgen_<workload>_<device>.json`; a benchmark, not a test).
 """
 
 from __future__ import annotations
@@ -173,17 +174,22 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2, help="requests per stream, one after another")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--no-baseline", action="store_true", help="skip the in-process baselines")
-    parser.add_argument("--workload", choices=["streams", "prefix"], default="streams",
-                        help="streams: N streams of one prompt; prefix: clients sharing a system prompt")
+    parser.add_argument("--workload", choices=["streams", "prefix", "flood"], default="streams",
+                        help="streams: N streams of one prompt; prefix: clients sharing a system prompt; "
+                             "flood: one short prompt among connections flooding the tokenizer")  # fmt: skip
     parser.add_argument("--schemes", default="raw", help="prefix workload: comma-separated schemes, or all")
-    parser.add_argument("--clients", type=int, default=16, help="prefix workload: concurrent clients")
+    parser.add_argument("--clients", type=int, help="prefix: concurrent clients (16); flood: flooding connections (4)")
     parser.add_argument("--system-tokens", type=int, default=1000, help="prefix workload: shared prompt tokens")
     parser.add_argument("--rounds", type=int, default=2, help="prefix workload: rounds of all clients at once")
+    parser.add_argument("--flood-chars", type=int, default=1_000_000, help="flood workload: characters a prompt")
+    parser.add_argument("--flood-head-start-s", type=float, default=1.0, help="flood workload: seconds before the probe")
     args = parser.parse_args()
-    if args.workload == "prefix":
-        from ops import prefix_workload
+    if args.workload != "streams":
+        from ops import flood_workload, prefix_workload
 
-        write_report(prefix_workload.run(args), f"loadgen_prefix_{args.device.replace(':', '')}.json")
+        workload = {"prefix": prefix_workload, "flood": flood_workload}[args.workload]
+        args.clients = args.clients or {"prefix": 16, "flood": 4}[args.workload]
+        write_report(workload.run(args), f"loadgen_{args.workload}_{args.device.replace(':', '')}.json")
         return
     if not args.address and not args.start:
         parser.error("give --address or --start")
