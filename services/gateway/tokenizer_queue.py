@@ -3,9 +3,9 @@
 The thread takes one job at a time, round robin over the connections with jobs waiting (each
 connection's own jobs in arrival order): a connection that sent one prompt waits behind the job
 on the thread and at most one waiting job of each other connection, not behind everything queued
-before it. This is round-robin
-fair queuing with a quantum of one job (Nagle, "On Packet Switches with Infinite Storage",
-IEEE Trans. Commun. 1987); jobs are bounded in size by the prompt limits, not weighed by it.
+before it. This is round-robin fair queuing with a quantum of one job (Nagle, "On Packet
+Switches with Infinite Storage", IEEE Trans. Commun. 1987); jobs are bounded in size by the
+prompt limits, not weighed by it.
 
 When the bound on outstanding jobs is reached (`GatewayCore` sets it to the pool's places), a
 newcomer takes the place of the newest waiting job of the connection holding the most, as long
@@ -72,10 +72,11 @@ class TokenizerQueue:
     def remove(self, request_id: str) -> bool:
         """Drop a waiting job whose request ended; False when it is on the thread (it still counts in `len()`
         until it is back, and no longer for its connection) or not here."""
-        identity = self._owner.get(request_id)
         if request_id == self._on_thread:
             self._thread_live = False
-        if identity is None or request_id == self._on_thread:
+            return False
+        identity = self._owner.get(request_id)
+        if identity is None:
             return False
         jobs = self._waiting[identity]
         jobs.remove(next(j for j in jobs if j.request_id == request_id))
