@@ -20,11 +20,12 @@ import collections
 import os
 import time
 
+from services.gateway.clients import ClientLimits
 from shared.client import AsyncClient, ServerError
 
 from .loadgen import PROMPT, start_server, stop_server
 
-PER_CONNECTION = 20  # client_max_active 4 + client_max_queued 16, the defaults
+PER_CONNECTION = ClientLimits().max_active + ClientLimits().max_queued  # what a connection may have in flight
 
 
 async def _flood_one(client: AsyncClient, text: str, outcomes: collections.Counter) -> None:

@@ -182,7 +182,8 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=1000, help="prefix workload: shared prompt tokens")
     parser.add_argument("--rounds", type=int, default=2, help="prefix workload: rounds of all clients at once")
     parser.add_argument("--flood-chars", type=int, default=1_000_000, help="flood workload: characters a prompt")
-    parser.add_argument("--flood-head-start-s", type=float, default=1.0, help="flood workload: seconds before the probe")
+    parser.add_argument("--flood-head-start-s", type=float, default=1.0,
+                        help="flood workload: seconds before the probe")
     args = parser.parse_args()
     if args.workload != "streams":
         from ops import flood_workload, prefix_workload

@@ -154,7 +154,7 @@ class GatewayCore:
                 else:
                     self._queue(stream, msg, result, now)
         except Exception:  # a bug: the request ends `internal` rather than wait in PREPARING forever
-            if self._streams.get(request_id) is stream and stream is not None:
+            if stream is not None and self._streams.get(request_id) is stream:
                 self._end(stream, error_reply(ButtermilkError("internal error while queueing the prompt"), None), now)
             raise
         finally:

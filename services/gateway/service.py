@@ -10,8 +10,9 @@ Each socket has one receive task: decode → core → send what the core returne
 (`ToTokenizer`) runs on one worker thread, so a huge prompt never stalls the loop (the fast
 tokenizer releases the GIL); the core hands it one job at a time, round robin across
 connections. A timer task calls `core.tick(now)`; when the loop itself was late, engine
-liveness is not judged that round, since heartbeats that arrived meanwhile are still unread. Client frames are capped at the socket (`ZMQ_MAXMSGSIZE`), and sends to a closed
-connection fail (`ZMQ_ROUTER_MANDATORY`), which cancels its work (`core.on_client_gone`).
+liveness is not judged that round, since heartbeats that arrived meanwhile are still unread.
+Client frames are capped at the socket (`ZMQ_MAXMSGSIZE`), and sends to a closed connection
+fail (`ZMQ_ROUTER_MANDATORY`), which cancels its work (`core.on_client_gone`).
 
 `stop()` drains: new work is refused, running requests get `drain_timeout_s` to finish, the
 rest end with `unavailable`, and every terminal message is flushed before the sockets close.
