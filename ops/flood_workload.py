@@ -1,16 +1,22 @@
 """The tokenizer-flood workload of `ops.loadgen`: does one short prompt get through a flood of huge ones?
 
-`--clients` connections each send as many prompts as a connection may have in flight
+`--clients` flooders each send as many prompts as a connection may have in flight
 (`client_max_active + client_max_queued`, 20 by default) of `--flood-chars` characters each:
 far over the context, so each is tokenized (the gateway's one tokenizer thread, ~1 s a MB on
-one core) and then refused `context_overflow`. `--flood-head-start-s` later a probe connection
-sends one short greedy generate (`--max-tokens`). Recorded: the probe's outcome, its time to
-first token (TTFT) and to its end, and the flood's outcomes by error code ("made way": ended
-`overloaded` to give another connection its place at the tokenizer). Written to
-`ops/results/loadgen_flood_<device>.json`; a benchmark, not a test.
+one core) and then refused `context_overflow`. `--flood-head-start-s` later a probe sends one
+short greedy generate (`--max-tokens`). Recorded: the probe's outcome, its time to first token
+(TTFT) and to its end, and the flood's outcomes by error code ("made way": ended `overloaded`
+to give another connection its place at the tokenizer). Written to
+`ops/results/loadgen_flood_<device>.json` (`…_http_…` over HTTP); a benchmark, not a test.
+
+Over ZeroMQ (`--flood-via zmq`) a flooder is a connection. Over HTTP (`--flood-via http`, a
+server started here) every request is a connection of its own, and the run is made twice: the
+flooders' requests anonymous, then each flooder's naming its own OpenAI `user` (the probe names
+one too), which gives a user one turn of the tokenizer's round robin.
 
     python -m ops.loadgen --workload flood --start --clients 4
     python -m ops.loadgen --workload flood --address tcp://127.0.0.1:5555   # a server already running
+    python -m ops.loadgen --workload flood --start --flood-via http
 """
 
 from __future__ import annotations
@@ -18,7 +24,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import socket
 import time
+from collections.abc import Awaitable, Callable
+
+import openai
 
 from services.gateway.clients import ClientLimits
 from shared.client import AsyncClient, ServerError
@@ -26,54 +36,117 @@ from shared.client import AsyncClient, ServerError
 from .loadgen import PROMPT, start_server, stop_server
 
 PER_CONNECTION = ClientLimits().max_active + ClientLimits().max_queued  # what a connection may have in flight
+Flood = Callable[[int, str], Awaitable[str]]  # (flooder, text) -> outcome
+Probe = Callable[[int], Awaitable[dict]]  # max_tokens -> figures
+Transport = tuple[Flood, Probe, Callable[[], Awaitable[None]]]  # and close
 
 
-async def _flood_one(client: AsyncClient, text: str, outcomes: collections.Counter) -> None:
-    try:
-        await (await client.stream(prompt=text, max_tokens=4, timeout_s=900)).collect()
-        outcomes["done"] += 1
-    except ServerError as exc:
-        outcomes[exc.code.value + (" (made way)" if "made way" in exc.message else "")] += 1
+def _outcome(code: str, message: str) -> str:
+    return code + (" (made way)" if "made way" in message else "")
 
 
-async def _probe(address: str, max_tokens: int) -> dict:
-    async with AsyncClient(address) as client:
-        start = time.monotonic()
+async def _zmq(address: str, clients: int) -> Transport:
+    flooders = [AsyncClient(address) for _ in range(clients)]
+
+    async def flood(i: int, text: str) -> str:
         try:
-            done = await (await client.stream(prompt=PROMPT, max_tokens=max_tokens, temperature=0,
-                                              timeout_s=900)).collect()  # fmt: skip
+            await (await flooders[i].stream(prompt=text, max_tokens=4, timeout_s=900)).collect()
+            return "done"
         except ServerError as exc:
-            return {"outcome": exc.code.value, "message": exc.message, "end_s": round(time.monotonic() - start, 2)}
-        return {"outcome": done.finish_reason, "ttft_s": round(done.first_token_s, 2),
-                "end_s": round(time.monotonic() - start, 2), "completion_tokens": len(done.token_ids)}  # fmt: skip
+            return _outcome(exc.code.value, exc.message)
+
+    async def probe(max_tokens: int) -> dict:
+        async with AsyncClient(address) as client:
+            start = time.monotonic()
+            try:
+                done = await (await client.stream(prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                                  timeout_s=900)).collect()  # fmt: skip
+            except ServerError as exc:
+                return {"outcome": exc.code.value, "message": exc.message, "end_s": round(time.monotonic() - start, 2)}
+            return {"outcome": done.finish_reason, "ttft_s": round(done.first_token_s, 2),
+                    "end_s": round(time.monotonic() - start, 2), "completion_tokens": len(done.token_ids)}  # fmt: skip
+
+    async def close() -> None:
+        for client in flooders:
+            await client.close()
+
+    return flood, probe, close
 
 
-async def one_run(address: str, clients: int, flood_chars: int, head_start_s: float, max_tokens: int) -> dict:
-    """One flood and one probe; returns the probe's figures and the flood's outcomes."""
+async def _http(url: str, named: bool) -> Transport:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
+
+    def user(name: str) -> dict:
+        return {"user": name} if named else {}
+
+    async def flood(i: int, text: str) -> str:
+        try:
+            await client.completions.create(model="default", prompt=text, max_tokens=4, **user(f"flooder{i}"))
+            return "done"
+        except openai.APIStatusError as exc:
+            error = exc.response.json()["error"]
+            return _outcome(error["code"], error["message"])
+
+    async def probe(max_tokens: int) -> dict:
+        start, first, finish = time.monotonic(), None, None
+        try:
+            stream = await client.completions.create(model="default", prompt=PROMPT, max_tokens=max_tokens,
+                                                     temperature=0, stream=True, **user("probe"))  # fmt: skip
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    if choice.text and first is None:
+                        first = time.monotonic() - start
+                    finish = choice.finish_reason or finish
+        except openai.APIStatusError as exc:
+            error = exc.response.json()["error"]
+            return {"outcome": error["code"], "message": error["message"], "end_s": round(time.monotonic() - start, 2)}
+        return {"outcome": finish, "ttft_s": first and round(first, 2), "end_s": round(time.monotonic() - start, 2)}
+
+    return flood, probe, client.close
+
+
+async def one_run(
+    transport: Awaitable[Transport], clients: int, flood_chars: int, head_start_s: float, max_tokens: int
+) -> dict:
+    """One flood and one probe over `transport` (`_zmq`'s or `_http`'s); the probe's figures, the flood's outcomes."""
+    flood, probe, close = await transport
     text = ("milk " * (flood_chars // 5 + 1))[:flood_chars]
     outcomes: collections.Counter = collections.Counter()
-    flooders = [AsyncClient(address) for _ in range(clients)]
+
+    async def one(flooder: int) -> None:
+        outcomes[await flood(flooder, text)] += 1
+
     start = time.monotonic()
-    tasks = [asyncio.create_task(_flood_one(c, text, outcomes)) for c in flooders for _ in range(PER_CONNECTION)]
+    tasks = [asyncio.create_task(one(i)) for i in range(clients) for _ in range(PER_CONNECTION)]
     await asyncio.sleep(head_start_s)
-    probe = await _probe(address, max_tokens)
+    figures = await probe(max_tokens)
     await asyncio.gather(*tasks)
-    for client in flooders:
-        await client.close()
-    return {"probe": probe, "flood_outcomes": dict(outcomes), "flood_end_s": round(time.monotonic() - start, 1)}
+    await close()
+    return {"probe": figures, "flood_outcomes": dict(outcomes), "flood_end_s": round(time.monotonic() - start, 1)}
 
 
 def run(args) -> dict:
-    """The whole workload: one flood + probe on a server started here (`--start`) or at `--address`."""
-    report = {"workload": "flood", "device": args.device, "model": args.model, "flood_connections": args.clients,
-              "prompts_per_connection": PER_CONNECTION, "flood_chars": args.flood_chars,
+    """The whole workload: flood + probe on a server started here (`--start`) or at `--address` (ZeroMQ only)."""
+    report = {"workload": "flood", "via": args.flood_via, "device": args.device, "model": args.model,
+              "flooders": args.clients, "prompts_per_flooder": PER_CONNECTION, "flood_chars": args.flood_chars,
               "head_start_s": args.flood_head_start_s, "load_average_at_start": os.getloadavg()[0]}  # fmt: skip
+    shape = (args.clients, args.flood_chars, args.flood_head_start_s, args.max_tokens)
+    if args.flood_via == "http":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+        proc, _ = start_server(args.model, 1, ["--device", args.device, "--http-address", url[len("http://"):]])
+        try:
+            for named in (False, True):
+                report["named_users" if named else "anonymous"] = asyncio.run(one_run(_http(url, named), *shape))
+        finally:
+            stop_server(proc)
+        return report
     proc, address = (None, args.address)
     if not address:
         proc, address = start_server(args.model, 1, ["--device", args.device])
     try:
-        report.update(asyncio.run(one_run(address, args.clients, args.flood_chars, args.flood_head_start_s,
-                                          args.max_tokens)))  # fmt: skip
+        report.update(asyncio.run(one_run(_zmq(address, args.clients), *shape)))
     finally:
         if proc is not None:
             stop_server(proc)

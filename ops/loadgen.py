@@ -15,6 +15,7 @@ is its median ITL at N=1 minus each baseline's median per-token decode time.
     python -m ops.loadgen --address tcp://127.0.0.1:5555       # a server already running
     python -m ops.loadgen --workload prefix --schemes all      # shared system prompt (ops/prefix_workload.py)
     python -m ops.loadgen --workload flood --start             # one prompt through a flood (ops/flood_workload.py)
+    python -m ops.loadgen --workload flood --start --flood-via http   # the same over HTTP, with and without `user`
 
 Prints JSON and writes it to `ops/results/loadgen_<device>.json` (the other workloads:
 `loadgen_<workload>_<device>.json`; a benchmark, not a test).
@@ -184,13 +185,16 @@ def main() -> None:
     parser.add_argument("--flood-chars", type=int, default=1_000_000, help="flood workload: characters a prompt")
     parser.add_argument("--flood-head-start-s", type=float, default=1.0,
                         help="flood workload: seconds before the probe")
+    parser.add_argument("--flood-via", choices=["zmq", "http"], default="zmq",
+                        help="flood workload: the clients' transport (http: anonymous, then named users)")
     args = parser.parse_args()
     if args.workload != "streams":
         from ops import flood_workload, prefix_workload
 
         workload = {"prefix": prefix_workload, "flood": flood_workload}[args.workload]
         args.clients = args.clients or {"prefix": 16, "flood": 4}[args.workload]
-        write_report(workload.run(args), f"loadgen_{args.workload}_{args.device.replace(':', '')}.json")
+        via = "_http" if args.workload == "flood" and args.flood_via == "http" else ""
+        write_report(workload.run(args), f"loadgen_{args.workload}{via}_{args.device.replace(':', '')}.json")
         return
     if not args.address and not args.start:
         parser.error("give --address or --start")

@@ -14,6 +14,7 @@ from services.gateway.clients import ClientLimits
 from services.gateway.control import ToClient, ToController, ToEngine, ToTokenizer
 from services.gateway.core import GatewayCore
 from services.gateway.engines import EngineTable
+from services.gateway.local import LocalClients
 from services.gateway.prompts import Prompter, chat_continuation
 from services.gateway.pool import RequestPool
 from shared import protocol as p
@@ -181,6 +182,22 @@ def test_a_full_tokenizer_makes_the_connection_holding_the_most_give_way(tokeniz
     assert (refused.id, refused.code) == ("b3", ErrorCode.OVERLOADED) and "waiting for the tokenizer" in refused.message
     assert tokenize_in_turn(core, sends) == [(b"A", "a1"), (b"A", "a2"), (b"B", "b1"), (b"B", "b2")]
     assert core.num_preparing == 0 and core.num_streams == 4 and core.pool.stats().active == 1
+
+
+def test_http_requests_of_one_user_give_way_together_and_anonymous_ones_each_alone(tokenizer):
+    """Each HTTP request is a connection of its own (a local identity); those naming the same OpenAI `user` are one
+    key at the tokenizer. Four anonymous requests at a 4-place bound each hold one, so a fifth is refused; four of
+    user A hold four, so user B's first takes the place of A's newest, as one connection's flood would."""
+    local = LocalClients()
+    for user, refused in ((None, "n"), ("A", "A4")):
+        core = make_core(tokenizer, active=1, queue=3)
+        senders = [local.open(user)[0] for _ in range(4)]
+        sends = [s for i, ident in enumerate(senders, 1)
+                 for s in core.on_client(ident, p.Generate(id=f"{user or 'n'}{i}", prompt="Hi"), 0.0)]  # fmt: skip
+        newcomer = local.open("B")[0]
+        assert errors_by_id(core.on_client(newcomer, p.Generate(id="n", prompt="Hi"), 0.1)) == {
+            refused: ErrorCode.OVERLOADED}
+        assert core.num_preparing == 4 and len(tokenize_in_turn(core, sends)) == 4
 
 
 def test_a_waiting_job_whose_request_ended_frees_its_place_at_once_and_is_never_tokenized(core):

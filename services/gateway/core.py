@@ -11,7 +11,8 @@ A generate's path: client `generate` → tokenize (`ToTokenizer` → `on_prepare
 `engine_generate` → `engine_tokens`… → `engine_finished` → client `done` and controller
 `release`. Every phase has a bound: at most the pool's places (`max_active + max_queue`) of
 tokenizer jobs are outstanding at once, handed to the one tokenizer thread round robin across
-connections (`tokenizer_queue.py`; a full queue makes the connection holding the most give way),
+connections and HTTP users (`tokenizer_queue.py`, `local.tokenizer_key`; a full queue makes the one
+holding the most give way),
 each finite (one whose request ended meanwhile is dropped or skipped), the queue has
 `queue_timeout_s`, the reservation `control_timeout_s`, the engine its liveness (and its own
 wait timeout).
@@ -63,6 +64,7 @@ from .control import ControlRelay, Send, ToClient, ToController, ToEngine, ToTok
 from .counters import Counters
 from .desk import ControlDesk
 from .engines import EngineTable
+from .local import tokenizer_key
 from .outcome import done_message, emit, session_outcome
 from .observer import NullObserver, StreamObserver
 from .pool import Admitted, RequestPool
@@ -289,7 +291,7 @@ class GatewayCore:
                 turn = self.sessions.check_turn(owner, msg.session_id, msg.new_session)
                 if msg.new_session:
                     self.clients.check_sessions(self.sessions.num_started_by(identity))
-            self._make_tokenizer_room(identity, now)
+            self._make_tokenizer_room(tokenizer_key(identity), now)
         except ButtermilkError as exc:
             self.observer.refused(exc.code.value, now)
             self._out.append(ToClient(identity, error_reply(exc, reply_id)))
@@ -307,25 +309,25 @@ class GatewayCore:
         self._streams[stream.request_id] = stream
         self._by_client[(identity, msg.id)] = stream.request_id
         self.clients.add_request(identity, stream.request_id, now)
-        self._tokenizer.add(identity, ToTokenizer(stream.request_id, msg, turn))
+        self._tokenizer.add(tokenizer_key(identity), ToTokenizer(stream.request_id, msg, turn))
         self._dispatch()
 
-    def _make_tokenizer_room(self, identity: bytes, now: float) -> None:
+    def _make_tokenizer_room(self, key: bytes, now: float) -> None:
         """Raises Overloaded when the tokenizer's jobs are at the pool's places (a flood of long prompts must not
-        hold the one thread) and no connection holds two more than `identity`; else, at the bound, that
-        connection's newest waiting prompt ends `overloaded` to make room."""
+        hold the one thread) and no connection (or HTTP user: `tokenizer_key`) holds two more than `key`; else,
+        at the bound, that one's newest waiting prompt ends `overloaded` to make room."""
         places = self.pool.max_active + self.pool.max_queue
         if self.num_preparing < places:
             return
         retry_ms = self.pool.retry_after_ms(now)
-        victim = self._tokenizer.victim_for(identity)
+        victim = self._tokenizer.victim_for(key)
         if victim is None:
             raise Overloaded(f"{self.num_preparing} prompts are waiting for the tokenizer, as many as the pool has "
                              f"places (max_active + max_queue)", retry_after_ms=retry_ms)
         stream = self._streams[victim]
-        held = self._tokenizer.held_by(stream.client)
-        exc = Overloaded(f"the tokenizer's {places} places are full and this connection held {held} of them, the "
-                         f"most: its newest prompt made way for another connection's", retry_after_ms=retry_ms)
+        held = self._tokenizer.held_by(tokenizer_key(stream.client))
+        exc = Overloaded(f"the tokenizer's {places} places are full and this connection (or HTTP user) held {held} "
+                         f"of them, the most: its newest prompt made way for another's", retry_after_ms=retry_ms)
         self._end(stream, error_reply(exc, None), now)
 
     def _dispatch(self) -> None:

@@ -171,7 +171,7 @@ class Api:
                       is_chat=is_chat, include_usage=req.include_usage, session_id=req.session_id)  # fmt: skip
         generate = to_generate(req, shape.id)
         self._check_ready()
-        exchange = Exchange(self.port, request.receive)
+        exchange = Exchange(self.port, request.receive, req.user)
         try:
             await exchange.start(generate)
             first = await exchange.next()

@@ -6,7 +6,8 @@ Defaults follow OpenAI: temperature 1, top_p 1, completions `max_tokens` 16, cha
 limit (the server caps it: `--max-tokens-cap` and the context). `max_completion_tokens` wins
 over `max_tokens`. Extensions, as vLLM's, are top-level fields: `top_k`, and `session_id` with
 `new_session` for multi-turn sessions that keep their KV between turns (a later turn sends
-only its new messages or prompt).
+only its new messages or prompt). OpenAI's `user` (an end-user id) groups requests at the
+gateway's tokenizer: one user's prompts take one turn of its round robin.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from shared.protocol import MAX_TOKENS_LIMIT, ChatMessage, Generate
 from .errors import ApiError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_USER_CHARS = 256  # `user`: an end-user id, not a payload
 
 
 class Loose(BaseModel):
@@ -59,6 +61,7 @@ class CommonRequest(Loose):
     logit_bias: dict[str, float] | None = None
     session_id: str | None = None  # extension: a multi-turn session
     new_session: bool = False  # extension: start `session_id`
+    user: str | None = Field(None, min_length=1, max_length=MAX_USER_CHARS)  # the tokenizer's turns (local.py)
 
     @property
     def include_usage(self) -> bool:
