@@ -1,18 +1,18 @@
 """The tokenizer-flood workload of `ops.loadgen`: does one short prompt get through a flood of huge ones?
 
-`--clients` flooders each send as many prompts as a connection may have in flight
+`--clients` flooding connections each send as many prompts as a connection may have in flight
 (`client_max_active + client_max_queued`, 20 by default) of `--flood-chars` characters each:
 far over the context, so each is tokenized (the gateway's one tokenizer thread, ~1 s a MB on
-one core) and then refused `context_overflow`. `--flood-head-start-s` later a probe sends one
+one core) and then refused `context_overflow` (over HTTP `context_length_exceeded`). `--flood-head-start-s` later a probe sends one
 short greedy generate (`--max-tokens`). Recorded: the probe's outcome, its time to first token
 (TTFT) and to its end, and the flood's outcomes by error code ("made way": ended `overloaded`
 to give another connection its place at the tokenizer). Written to
 `ops/results/loadgen_flood_<device>.json` (`…_http_…` over HTTP); a benchmark, not a test.
 
-Over ZeroMQ (`--flood-via zmq`) a flooder is a connection. Over HTTP (`--flood-via http`, a
-server started here) every request is a connection of its own, and the run is made twice: the
-flooders' requests anonymous, then each flooder's naming its own OpenAI `user` (the probe names
-one too), which gives a user one turn of the tokenizer's round robin.
+Over HTTP (`--flood-via http`, a server started here) every request is a connection of its own,
+and the gateway gives each caller one turn of the tokenizer's round robin: an OpenAI `user`, else
+a client address. The run is made twice: every request anonymous (one caller, 127.0.0.1: first
+come, first served), then each flooding "connection", and the probe, naming its own `user`.
 
     python -m ops.loadgen --workload flood --start --clients 4
     python -m ops.loadgen --workload flood --address tcp://127.0.0.1:5555   # a server already running
@@ -27,8 +27,6 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
-
-import openai
 
 from services.gateway.clients import ClientLimits
 from shared.client import AsyncClient, ServerError
@@ -74,18 +72,22 @@ async def _zmq(address: str, clients: int) -> Transport:
 
 
 async def _http(url: str, named: bool) -> Transport:
+    import openai  # the `test` extra's; only this transport needs it
+
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
 
     def user(name: str) -> dict:
         return {"user": name} if named else {}
 
+    def failed(exc: openai.APIError) -> str:  # an error status, or an error event in the stream
+        return _outcome(exc.code or type(exc).__name__, exc.message)
+
     async def flood(i: int, text: str) -> str:
         try:
             await client.completions.create(model="default", prompt=text, max_tokens=4, **user(f"flooder{i}"))
             return "done"
-        except openai.APIStatusError as exc:
-            error = exc.response.json()["error"]
-            return _outcome(error["code"], error["message"])
+        except openai.APIError as exc:
+            return failed(exc)
 
     async def probe(max_tokens: int) -> dict:
         start, first, finish = time.monotonic(), None, None
@@ -97,9 +99,8 @@ async def _http(url: str, named: bool) -> Transport:
                     if choice.text and first is None:
                         first = time.monotonic() - start
                     finish = choice.finish_reason or finish
-        except openai.APIStatusError as exc:
-            error = exc.response.json()["error"]
-            return {"outcome": error["code"], "message": error["message"], "end_s": round(time.monotonic() - start, 2)}
+        except openai.APIError as exc:
+            return {"outcome": failed(exc), "message": exc.message, "end_s": round(time.monotonic() - start, 2)}
         return {"outcome": finish, "ttft_s": first and round(first, 2), "end_s": round(time.monotonic() - start, 2)}
 
     return flood, probe, client.close
@@ -110,6 +111,7 @@ async def one_run(
 ) -> dict:
     """One flood and one probe over `transport` (`_zmq`'s or `_http`'s); the probe's figures, the flood's outcomes."""
     flood, probe, close = await transport
+    await probe(1)  # warm-up: the first run on a fresh server is not slower for it
     text = ("milk " * (flood_chars // 5 + 1))[:flood_chars]
     outcomes: collections.Counter = collections.Counter()
 
@@ -126,12 +128,19 @@ async def one_run(
 
 
 def run(args) -> dict:
-    """The whole workload: flood + probe on a server started here (`--start`) or at `--address` (ZeroMQ only)."""
+    """The whole workload: flood + probe on a server started here (`--start`) or at `--address` (ZeroMQ only).
+
+    Raises:
+        SystemExit: `--address` with `--flood-via http` (that run starts its own server).
+    """
     report = {"workload": "flood", "via": args.flood_via, "device": args.device, "model": args.model,
-              "flooders": args.clients, "prompts_per_flooder": PER_CONNECTION, "flood_chars": args.flood_chars,
+              "flood_connections": args.clients, "prompts_per_connection": PER_CONNECTION,
+              "flood_chars": args.flood_chars,
               "head_start_s": args.flood_head_start_s, "load_average_at_start": os.getloadavg()[0]}  # fmt: skip
     shape = (args.clients, args.flood_chars, args.flood_head_start_s, args.max_tokens)
     if args.flood_via == "http":
+        if args.address:
+            raise SystemExit("--flood-via http starts its own server (with HTTP on); leave out --address")
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             url = "http://127.0.0.1:%d" % sock.getsockname()[1]

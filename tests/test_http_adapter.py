@@ -167,7 +167,7 @@ def test_http_level_errors_are_in_openai_shape():
              "bad_request", None),  # nests past Python's recursion limit
             (raw(url, "DELETE", "/v1/sessions/" + "a" * 257), 400, "bad_request", "session_id"),  # ids: 256 at most
             *[(raw(url, "POST", "/v1/chat/completions", json.dumps({**CHAT, "user": user}).encode()), 400,
-               "bad_request", "user") for user in ("", "u" * 257, 7, "\udcff")],  # an end-user id: 1 to 256 characters
+               "bad_request", "user") for user in ("u" * 257, 7, "\udcff")],  # an end-user id: 256 characters at most
             (raw(url, "GET", "/v1/nowhere"), 404, "not_found", None),
             (raw(url, "GET", "/v1/models/gpt-4"), 404, "model_not_found", "model"),
             (raw(url, "GET", "/v1/chat/completions"), 405, "method_not_allowed", None),
@@ -211,9 +211,10 @@ def test_disconnect_mid_stream_sends_the_core_a_cancel():
     assert isinstance(cancel, p.Cancel) and cancel.id == generate.id and len(port.local) == 0
 
 
-def test_requests_naming_the_same_user_take_one_turn_at_the_tokenizer():
-    """Each HTTP request is a connection of its own; OpenAI's `user` folds one user's requests into one key of the
-    tokenizer's round robin (`tokenizer_key`), while each still gets its own mailbox."""
+def test_a_callers_requests_take_one_turn_at_the_tokenizer():
+    """Each HTTP request is a connection of its own, with its own mailbox; at the tokenizer's round robin
+    (`tokenizer_key`) those naming the same OpenAI `user` share one turn, and those naming none (or "") share their
+    client address's."""
     identities = []
 
     class Recording(ScriptedPort):
@@ -222,14 +223,15 @@ def test_requests_naming_the_same_user_take_one_turn_at_the_tokenizer():
             await super().submit(identity, msg)
 
     done = p.Done(id="x", finish_reason="stop", usage=p.Usage(prompt_tokens=1, completion_tokens=0))
+    users = ("alice", "alice", "bob", None, None, "", "al/ice", "127.0.0.1")
     with serving(Recording(lambda msg: [done] if isinstance(msg, p.Generate) else [])) as url:
-        for user in ("alice", "alice", "bob", None, None, "al/ice"):
-            body = json.dumps({**CHAT, **({"user": user} if user else {})}).encode()
+        for user in users:
+            body = json.dumps({**CHAT, **({"user": user} if user is not None else {})}).encode()
             assert raw(url, "POST", "/v1/chat/completions", body)[0] == 200
-    keys = [tokenizer_key(i) for i in identities]
-    assert len(set(identities)) == 6 and keys[0] == keys[1]  # two mailboxes, one turn
-    assert len({keys[0], *keys[2:]}) == 5  # bob, each anonymous request, and the one with a "/" differ
-    assert all(is_local(k) for k in keys)  # never a ZeroMQ peer's identity
+    key = dict(zip(users, map(tokenizer_key, identities), strict=True))  # a user's last request's key
+    assert len(set(identities)) == len(users) and len(set(key.values())) == 5  # alice, bob, al/ice, 127.0.0.1, peer
+    assert tokenizer_key(identities[0]) == key["alice"] and tokenizer_key(identities[3]) == key[None] == key[""]
+    assert all(is_local(k) for k in key.values())  # never a ZeroMQ peer's identity
 
 
 def test_a_client_gone_while_sending_its_body_is_logged_as_gone_not_as_a_failure():

@@ -184,17 +184,18 @@ def test_a_full_tokenizer_makes_the_connection_holding_the_most_give_way(tokeniz
     assert core.num_preparing == 0 and core.num_streams == 4 and core.pool.stats().active == 1
 
 
-def test_http_requests_of_one_user_give_way_together_and_anonymous_ones_each_alone(tokenizer):
-    """Each HTTP request is a connection of its own (a local identity); those naming the same OpenAI `user` are one
-    key at the tokenizer. Four anonymous requests at a 4-place bound each hold one, so a fifth is refused; four of
-    user A hold four, so user B's first takes the place of A's newest, as one connection's flood would."""
+def test_local_clients_of_one_caller_give_way_together_and_those_of_none_each_alone(tokenizer):
+    """Each HTTP request is a connection of its own (a local identity); those opened for the same caller (an OpenAI
+    `user`, or a client address) are one key at the tokenizer. Four without a caller at a 4-place bound each hold
+    one, so a fifth is refused; four of caller A hold four, so caller B's first takes the place of A's newest, as
+    one connection's flood would."""
     local = LocalClients()
-    for user, refused in ((None, "n"), ("A", "A4")):
+    for caller, refused in ((None, "n"), ("user/A", "A4")):
         core = make_core(tokenizer, active=1, queue=3)
-        senders = [local.open(user)[0] for _ in range(4)]
+        senders, tag = [local.open(caller)[0] for _ in range(4)], "A" if caller else "n"
         sends = [s for i, ident in enumerate(senders, 1)
-                 for s in core.on_client(ident, p.Generate(id=f"{user or 'n'}{i}", prompt="Hi"), 0.0)]  # fmt: skip
-        newcomer = local.open("B")[0]
+                 for s in core.on_client(ident, p.Generate(id=f"{tag}{i}", prompt="Hi"), 0.0)]  # fmt: skip
+        newcomer = local.open("peer/10.0.0.2")[0]
         assert errors_by_id(core.on_client(newcomer, p.Generate(id="n", prompt="Hi"), 0.1)) == {
             refused: ErrorCode.OVERLOADED}
         assert core.num_preparing == 4 and len(tokenize_in_turn(core, sends)) == 4

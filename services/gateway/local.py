@@ -6,9 +6,10 @@ any connection: same admission, pool, leases and cancellation. The service deliv
 core addresses to a local identity into its mailbox; after `close`, it is dropped.
 
 An HTTP request is a connection of its own, so the tokenizer's round robin (`tokenizer_queue.py`)
-would serve HTTP requests first come, first served. A request that names an OpenAI `user` carries
-it in its identity (`\x00local-<n>/<user>`), and `tokenizer_key` folds every request of one user
-into one turn of the round robin: one user's flood of prompts waits behind another's single one.
+would give every request a turn: one caller's burst of long prompts would be served first come,
+first served, and could never be made to give way. So a request carries its caller in its
+identity (`\x00local-<n>/<caller>`; the HTTP adapter's callers are `user/<OpenAI user>`, else
+`peer/<client address>`), and `tokenizer_key` folds one caller's requests into one turn.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import itertools
 from shared.protocol import Message
 
 PREFIX = b"\x00local-"
-USER_KEY = PREFIX + b"user/"  # a tokenizer key: no request number is empty
 
 
 def is_local(identity: bytes) -> bool:
@@ -28,15 +28,15 @@ def is_local(identity: bytes) -> bool:
 
 
 def tokenizer_key(identity: bytes) -> bytes:
-    """Whose turn a prompt of `identity` takes at the tokenizer: its connection's, or its HTTP user's.
+    """Whose turn a prompt of `identity` takes at the tokenizer: its connection's, or its caller's.
 
-    A ZeroMQ connection and an HTTP request without a `user` are each their own key; HTTP requests
-    naming the same `user` share one.
+    A ZeroMQ connection, and a local client opened without a caller, is its own key; local clients
+    opened with the same caller share one (`PREFIX/caller`: no request number is empty).
     """
     if not is_local(identity):
         return identity
-    _, named, user = identity.partition(b"/")
-    return USER_KEY + user if named else identity
+    _, tagged, caller = identity.partition(b"/")
+    return PREFIX + b"/" + caller if tagged else identity
 
 
 class LocalClients:
@@ -46,15 +46,16 @@ class LocalClients:
         self._boxes: dict[bytes, asyncio.Queue[Message]] = {}
         self._ids = itertools.count(1)
 
-    def open(self, user: str | None = None) -> tuple[bytes, asyncio.Queue[Message]]:
+    def open(self, caller: str | None = None) -> tuple[bytes, asyncio.Queue[Message]]:
         """A new identity and the unbounded queue its messages arrive on.
 
         Args:
-            user: the OpenAI `user` the request names (any string), or None; see `tokenizer_key`.
+            caller: who sends the request (any string), whose turn it takes at the tokenizer
+                (`tokenizer_key`); None: a turn of its own.
         """
         identity = PREFIX + str(next(self._ids)).encode()
-        if user is not None:
-            identity += b"/" + user.encode()
+        if caller is not None:
+            identity += b"/" + caller.encode()
         self._boxes[identity] = box = asyncio.Queue()
         return identity, box
 

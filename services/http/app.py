@@ -171,7 +171,7 @@ class Api:
                       is_chat=is_chat, include_usage=req.include_usage, session_id=req.session_id)  # fmt: skip
         generate = to_generate(req, shape.id)
         self._check_ready()
-        exchange = Exchange(self.port, request.receive, req.user)
+        exchange = Exchange(self.port, request.receive, _caller(request, req.user))
         try:
             await exchange.start(generate)
             first = await exchange.next()
@@ -263,6 +263,17 @@ class EventStream:
         finally:
             self.exchange.close()
             await self.events.aclose()
+
+
+def _caller(request: Request, user: str | None) -> str:
+    """Whose turn a request takes at the gateway's tokenizer (`LocalClients.open`): its OpenAI `user`, else its
+    client's address (X-Forwarded-For's from a proxy uvicorn trusts: loopback, or uvicorn's `FORWARDED_ALLOW_IPS`).
+
+    `user` is taken as given, as OpenAI does: where callers are not trusted, a proxy should set it.
+    """
+    if user:
+        return f"user/{user}"
+    return f"peer/{request.client.host if request.client else ''}"
 
 
 async def _json(request: Request):

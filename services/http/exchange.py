@@ -39,15 +39,15 @@ class Exchange:
         port (GatewayPort): the gateway.
         receive (Receive | None): the request's ASGI receive channel, watched for
             `http.disconnect` (its body must have been read already); None: not watched.
-        user (str | None): the request's OpenAI `user`: its turn at the tokenizer is that user's
-            (`LocalClients.open`).
+        caller (str | None): who sends the request; its requests share one turn at the gateway's
+            tokenizer (`LocalClients.open`).
     """
 
     _cleanups: set[asyncio.Task] = set()  # cancels in flight (a task needs a live reference)
 
-    def __init__(self, port: GatewayPort, receive: Receive | None = None, user: str | None = None):
+    def __init__(self, port: GatewayPort, receive: Receive | None = None, caller: str | None = None):
         self.port = port
-        self.identity, self._box = port.local.open(user)
+        self.identity, self._box = port.local.open(caller)
         self._request_id: str | None = None
         self._ended = False
         self._gone = asyncio.ensure_future(_disconnected(receive)) if receive is not None else None

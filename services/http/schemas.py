@@ -7,7 +7,7 @@ limit (the server caps it: `--max-tokens-cap` and the context). `max_completion_
 over `max_tokens`. Extensions, as vLLM's, are top-level fields: `top_k`, and `session_id` with
 `new_session` for multi-turn sessions that keep their KV between turns (a later turn sends
 only its new messages or prompt). OpenAI's `user` (an end-user id) groups requests at the
-gateway's tokenizer: one user's prompts take one turn of its round robin.
+gateway's tokenizer: one user's prompts take one turn of its round robin (`app._caller`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class CommonRequest(Loose):
     logit_bias: dict[str, float] | None = None
     session_id: str | None = None  # extension: a multi-turn session
     new_session: bool = False  # extension: start `session_id`
-    user: str | None = Field(None, min_length=1, max_length=MAX_USER_CHARS)  # the tokenizer's turns (local.py)
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)  # the tokenizer's turns (app._caller); "": none
 
     @property
     def include_usage(self) -> bool:
