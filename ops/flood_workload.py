@@ -3,10 +3,11 @@
 `--clients` flooding connections each send as many prompts as a connection may have in flight
 (`client_max_active + client_max_queued`, 20 by default) of `--flood-chars` characters each:
 far over the context, so each is tokenized (the gateway's one tokenizer thread, ~1 s a MB on
-one core) and then refused `context_overflow` (over HTTP `context_length_exceeded`). `--flood-head-start-s` later a probe sends one
-short greedy generate (`--max-tokens`). Recorded: the probe's outcome, its time to first token
-(TTFT) and to its end, and the flood's outcomes by error code ("made way": ended `overloaded`
-to give another connection its place at the tokenizer). Written to
+one core) and then refused `context_overflow` (over HTTP `context_length_exceeded`).
+`--flood-head-start-s` later a probe sends one short greedy generate (`--max-tokens`).
+Recorded: the probe's outcome, its time to first token (TTFT) and to its end, and the flood's
+outcomes by error code ("made way": ended `overloaded` to give another connection its place at
+the tokenizer) with the `retry_after_ms` they were told. Written to
 `ops/results/loadgen_flood_<device>.json` (`…_http_…` over HTTP); a benchmark, not a test.
 
 Over HTTP (`--flood-via http`, a server started here) every request is a connection of its own,
@@ -25,6 +26,7 @@ import asyncio
 import collections
 import os
 import socket
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 
@@ -34,24 +36,24 @@ from shared.client import AsyncClient, ServerError
 from .loadgen import PROMPT, start_server, stop_server
 
 PER_CONNECTION = ClientLimits().max_active + ClientLimits().max_queued  # what a connection may have in flight
-Flood = Callable[[int, str], Awaitable[str]]  # (flooder, text) -> outcome
+Flood = Callable[[int, str], Awaitable[tuple[str, int | None]]]  # (flooder, text) -> (outcome, retry_after_ms)
 Probe = Callable[[int], Awaitable[dict]]  # max_tokens -> figures
 Transport = tuple[Flood, Probe, Callable[[], Awaitable[None]]]  # and close
 
 
-def _outcome(code: str, message: str) -> str:
-    return code + (" (made way)" if "made way" in message else "")
+def _outcome(code: str, message: str, retry_after_ms: int | None) -> tuple[str, int | None]:
+    return code + (" (made way)" if "made way" in message else ""), retry_after_ms
 
 
 async def _zmq(address: str, clients: int) -> Transport:
     flooders = [AsyncClient(address) for _ in range(clients)]
 
-    async def flood(i: int, text: str) -> str:
+    async def flood(i: int, text: str) -> tuple[str, int | None]:
         try:
             await (await flooders[i].stream(prompt=text, max_tokens=4, timeout_s=900)).collect()
-            return "done"
+            return "done", None
         except ServerError as exc:
-            return _outcome(exc.code.value, exc.message)
+            return _outcome(exc.code.value, exc.message, exc.retry_after_ms)
 
     async def probe(max_tokens: int) -> dict:
         async with AsyncClient(address) as client:
@@ -60,7 +62,8 @@ async def _zmq(address: str, clients: int) -> Transport:
                 done = await (await client.stream(prompt=PROMPT, max_tokens=max_tokens, temperature=0,
                                                   timeout_s=900)).collect()  # fmt: skip
             except ServerError as exc:
-                return {"outcome": exc.code.value, "message": exc.message, "end_s": round(time.monotonic() - start, 2)}
+                return {"outcome": exc.code.value, "message": exc.message, "retry_after_ms": exc.retry_after_ms,
+                        "end_s": round(time.monotonic() - start, 2)}  # fmt: skip
             return {"outcome": done.finish_reason, "ttft_s": round(done.first_token_s, 2),
                     "end_s": round(time.monotonic() - start, 2), "completion_tokens": len(done.token_ids)}  # fmt: skip
 
@@ -79,13 +82,14 @@ async def _http(url: str, named: bool) -> Transport:
     def user(name: str) -> dict:
         return {"user": name} if named else {}
 
-    def failed(exc: openai.APIError) -> str:  # an error status, or an error event in the stream
-        return _outcome(exc.code or type(exc).__name__, exc.message)
+    def failed(exc: openai.APIError) -> tuple[str, int | None]:  # an error status, or an error event in the stream
+        retry = exc.response.headers.get("retry-after-ms") if isinstance(exc, openai.APIStatusError) else None
+        return _outcome(exc.code or type(exc).__name__, exc.message, retry and int(retry))
 
-    async def flood(i: int, text: str) -> str:
+    async def flood(i: int, text: str) -> tuple[str, int | None]:
         try:
             await client.completions.create(model="default", prompt=text, max_tokens=4, **user(f"flooder{i}"))
-            return "done"
+            return "done", None
         except openai.APIError as exc:
             return failed(exc)
 
@@ -100,7 +104,9 @@ async def _http(url: str, named: bool) -> Transport:
                         first = time.monotonic() - start
                     finish = choice.finish_reason or finish
         except openai.APIError as exc:
-            return {"outcome": failed(exc), "message": exc.message, "end_s": round(time.monotonic() - start, 2)}
+            outcome, retry_after_ms = failed(exc)
+            return {"outcome": outcome, "message": exc.message, "retry_after_ms": retry_after_ms,
+                    "end_s": round(time.monotonic() - start, 2)}  # fmt: skip
         return {"outcome": finish, "ttft_s": first and round(first, 2), "end_s": round(time.monotonic() - start, 2)}
 
     return flood, probe, client.close
@@ -114,9 +120,12 @@ async def one_run(
     await probe(1)  # warm-up: the first run on a fresh server is not slower for it
     text = ("milk " * (flood_chars // 5 + 1))[:flood_chars]
     outcomes: collections.Counter = collections.Counter()
+    retries: list[int] = []  # the overloaded prompts' retry_after_ms
 
     async def one(flooder: int) -> None:
-        outcomes[await flood(flooder, text)] += 1
+        outcome, retry_after_ms = await flood(flooder, text)
+        outcomes[outcome] += 1
+        retries.extend([retry_after_ms] if retry_after_ms is not None else [])
 
     start = time.monotonic()
     tasks = [asyncio.create_task(one(i)) for i in range(clients) for _ in range(PER_CONNECTION)]
@@ -124,7 +133,9 @@ async def one_run(
     figures = await probe(max_tokens)
     await asyncio.gather(*tasks)
     await close()
-    return {"probe": figures, "flood_outcomes": dict(outcomes), "flood_end_s": round(time.monotonic() - start, 1)}
+    retry = {"min": min(retries), "median": statistics.median(retries), "max": max(retries)} if retries else None
+    return {"probe": figures, "flood_outcomes": dict(outcomes), "flood_retry_after_ms": retry,
+            "flood_end_s": round(time.monotonic() - start, 1)}  # fmt: skip
 
 
 def run(args) -> dict:

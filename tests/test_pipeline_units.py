@@ -18,7 +18,7 @@ from services.gateway.local import LocalClients
 from services.gateway.prompts import Prompter, chat_continuation
 from services.gateway.pool import RequestPool
 from shared import protocol as p
-from shared.errors import ErrorCode
+from shared.errors import ContextOverflow, ErrorCode
 from tests.gateway_helpers import drive
 
 CLIENT, ENGINE = b"client-1", b"e0:0"
@@ -620,11 +620,49 @@ def test_the_tokenizer_queue_refuses_a_second_job_for_a_request_and_a_stray_done
     queue.add(b"A", job)
     with pytest.raises(ValueError, match="r1"):
         queue.add(b"B", job)
-    assert queue.next() is job and queue.next() is None and queue.remove("r1") is False  # on the thread: stays
+    assert queue.next(0.0) is job and queue.next(0.0) is None and queue.remove("r1") is False  # on the thread
     with pytest.raises(KeyError, match="r2"):
-        queue.done("r2")
-    queue.done("r1")
+        queue.done("r2", 0.1, encoded=True)
+    queue.done("r1", 0.1, encoded=True)
     assert len(queue) == 0 and queue.held_by(b"A") == 0
+
+
+def test_the_tokenizer_queue_estimates_when_its_job_on_the_thread_is_done():
+    """The rate is an exponential moving average (weight 0.3) over long prompts encoded, a prior until the first:
+    100,000 characters in 0.5 s, then in 0.25 s: 0.3 * 400,000 + 0.7 * 200,000 = 260,000 a second; short, skipped
+    and token-id jobs do not move it. A 130,000-character job 0.1 s on the thread has 130,000 / 260,000 - 0.1 =
+    0.4 s to go."""
+    from services.gateway.tokenizer_queue import PRIOR_CHARS_PER_S, TokenizerQueue
+
+    queue, t = TokenizerQueue(), 0.0
+    assert queue.chars_per_s == PRIOR_CHARS_PER_S and queue.free_in_s(t) == 0.0  # nothing on the thread
+    jobs = [("long", "x" * 100_000, True), ("short", "x" * 1_000, True), ("long2", "x" * 100_000, True),
+            ("skipped", "x" * 100_000, False), ("ids", None, True)]  # fmt: skip
+    for (request_id, text, encoded), took in zip(jobs, (0.5, 0.001, 0.25, 0.001, 0.001), strict=True):
+        msg = p.Generate(id=request_id, prompt=text) if text else p.Generate(id=request_id, token_ids=[1, 2])
+        queue.add(b"A", ToTokenizer(request_id, msg, None))
+        assert queue.next(t).request_id == request_id
+        queue.done(request_id, t + took, encoded=encoded)
+        t += 1.0
+    assert queue.chars_per_s == pytest.approx(260_000.0)
+    queue.add(b"A", ToTokenizer("big", p.Generate(id="big", prompt="x" * 130_000), None))
+    assert queue.next(10.0).request_id == "big"
+    assert queue.free_in_s(10.1) == pytest.approx(0.4) and queue.free_in_s(11.0) == 0.0  # overdue: any moment
+
+
+def test_a_full_tokenizer_says_when_its_next_place_frees(tokenizer):
+    """At the bound, `retry_after_ms` is when the job on the thread should be done (its characters over the rate),
+    not the pool's estimate: 100,000 characters took 0.5 s, so the next 100,000 on the thread since 1.0 s frees
+    its place at 1.5 s: 300 ms for the prompt that makes way at 1.2 s, 200 ms for one refused at 1.3 s."""
+    core = make_core(tokenizer, active=1, queue=1)  # two places
+    big = "milk " * 20_000
+    (job,) = [s for s in core.on_client(b"A", p.Generate(id="a1", prompt=big), 0.0) if isinstance(s, ToTokenizer)]
+    core.on_prepared(job.request_id, job.msg, ContextOverflow(20_000, 256), 0.5)
+    core.on_client(b"A", p.Generate(id="a2", prompt=big), 1.0)
+    core.on_client(b"A", p.Generate(id="a3", prompt=big), 1.0)
+    (gone,) = msgs(core.on_client(b"B", p.Generate(id="b1", prompt="Hi"), 1.2), ToClient)
+    (refused,) = msgs(core.on_client(b"C", p.Generate(id="c1", prompt="Hi"), 1.3), ToClient)
+    assert (gone.id, gone.retry_after_ms) == ("a3", 300) and (refused.id, refused.retry_after_ms) == ("c1", 200)
 
 
 def test_a_handler_bug_on_one_prompt_does_not_stall_the_tokenizer(core, monkeypatch):

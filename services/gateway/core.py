@@ -67,7 +67,7 @@ from .engines import EngineTable
 from .local import tokenizer_key
 from .outcome import done_message, emit, session_outcome
 from .observer import NullObserver, StreamObserver
-from .pool import Admitted, RequestPool
+from .pool import MIN_RETRY_AFTER_MS, Admitted, RequestPool
 from .prompts import Prompt, Prompter, Turn
 from .session_table import SessionTable, session_owner
 from .streams import Phase, Stream
@@ -147,7 +147,7 @@ class GatewayCore:
                     now: float) -> list[Send]:
         """A `ToTokenizer` job is back (every one must come back, None where the service skipped it because its
         request had ended): queue the request, or end it with the error."""
-        self._tokenizer.done(request_id)
+        self._tokenizer.done(request_id, now, encoded=result is not None)
         stream = self._streams.get(request_id)
         try:
             if stream is not None and stream.phase is Phase.PREPARING:  # else ended meanwhile (cancel, shutdown…)
@@ -160,7 +160,7 @@ class GatewayCore:
                 self._end(stream, error_reply(ButtermilkError("internal error while queueing the prompt"), None), now)
             raise
         finally:
-            self._dispatch()  # whatever this request met, the thread's next job goes out (on the next flush)
+            self._dispatch(now)  # whatever this request met, the thread's next job goes out (on the next flush)
         return self._flush(now)
 
     def on_client_gone(self, identity: bytes, now: float) -> list[Send]:
@@ -310,7 +310,7 @@ class GatewayCore:
         self._by_client[(identity, msg.id)] = stream.request_id
         self.clients.add_request(identity, stream.request_id, now)
         self._tokenizer.add(tokenizer_key(identity), ToTokenizer(stream.request_id, msg, turn))
-        self._dispatch()
+        self._dispatch(now)
 
     def _make_tokenizer_room(self, key: bytes, now: float) -> None:
         """Raises Overloaded when the tokenizer's jobs are at the pool's places (a flood of long prompts must not
@@ -319,7 +319,8 @@ class GatewayCore:
         places = self.pool.max_active + self.pool.max_queue
         if self.num_preparing < places:
             return
-        retry_ms = self.pool.retry_after_ms(now)
+        free_s = min(self._tokenizer.free_in_s(now), self.pool.queue_timeout_s)  # when the thread's job is done
+        retry_ms = max(MIN_RETRY_AFTER_MS, round(free_s * 1000))
         victim = self._tokenizer.victim_for(key)
         if victim is None:
             raise Overloaded(f"{self.num_preparing} prompts are waiting for the tokenizer, as many as the pool has "
@@ -330,9 +331,9 @@ class GatewayCore:
                          f"of them, the most: its newest prompt made way for another's", retry_after_ms=retry_ms)
         self._end(stream, error_reply(exc, None), now)
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, now: float) -> None:
         """Hand the tokenizer thread its next job, round robin across connections, if it has none."""
-        job = self._tokenizer.next()
+        job = self._tokenizer.next(now)
         if job is not None:
             self._out.append(job)
 

@@ -12,13 +12,30 @@ newcomer takes the place of the newest waiting job of the connection holding the
 as that connection then still holds at least as many as the newcomer's: a flood from a few
 connections cannot lock the others out (drop from the longest queue, as in FQ-CoDel, RFC 8290
 section 4.1.2).
+
+A refused newcomer is told when a place frees: when the job on the thread is done, estimated
+from its characters and the thread's rate (characters a second over the last long prompts; a
+prior until one is done).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from shared.protocol import Generate
+
 from .control import ToTokenizer
+
+RATE_MIN_CHARS = 65_536  # shorter jobs, their time mostly fixed costs, do not move the rate
+RATE_WEIGHT = 0.3  # a new long job's weight in the rate (an exponential moving average)
+PRIOR_CHARS_PER_S = 2e6  # until a long job is measured: the default model's tokenizer, one core of a 2-core host
+
+
+def prompt_chars(msg: Generate) -> int:
+    """Characters the tokenizer encodes for `msg` (0 for token ids: nothing to encode)."""
+    if msg.prompt is not None:
+        return len(msg.prompt)
+    return sum(len(m.content) for m in msg.messages) if msg.messages is not None else 0
 
 
 class TokenizerQueue:
@@ -32,6 +49,9 @@ class TokenizerQueue:
         self._owner: dict[str, bytes] = {}  # request id -> connection, for every job outstanding
         self._on_thread: str | None = None  # request id of the job the thread has
         self._thread_live = False  # its request has not ended (an ended one counts for no connection)
+        self._thread_chars, self._thread_since = 0, 0.0  # its size and when it went to the thread (s)
+        self.chars_per_s = PRIOR_CHARS_PER_S  # the thread's rate
+        self._measured = False  # a long job has set the rate (the prior no longer counts)
 
     def __len__(self) -> int:
         return len(self._owner)
@@ -49,8 +69,8 @@ class TokenizerQueue:
         self._owner[job.request_id] = identity
         self._waiting.setdefault(identity, deque()).append(job)
 
-    def next(self) -> ToTokenizer | None:
-        """The job to hand the thread now, or None while it has one (or none waits); round robin."""
+    def next(self, now: float) -> ToTokenizer | None:
+        """The job to hand the thread at `now` (seconds), or None while it has one (or none waits); round robin."""
         if self._on_thread is not None or not self._waiting:
             return None
         identity, jobs = next(iter(self._waiting.items()))
@@ -60,14 +80,30 @@ class TokenizerQueue:
         else:
             del self._waiting[identity]
         self._on_thread, self._thread_live = job.request_id, True
+        self._thread_chars, self._thread_since = prompt_chars(job.msg), now
         return job
 
-    def done(self, request_id: str) -> None:
-        """The thread is back with `request_id`'s job (tokenized or skipped). Raises KeyError for another."""
+    def done(self, request_id: str, now: float, *, encoded: bool) -> None:
+        """The thread is back at `now` with `request_id`'s job, `encoded` or skipped (its request had ended).
+
+        Raises:
+            KeyError: `request_id` is not the job on the thread.
+        """
         if request_id != self._on_thread:
             raise KeyError(f"request {request_id!r} is not the job on the tokenizer thread")
+        elapsed = now - self._thread_since
+        if encoded and self._thread_chars >= RATE_MIN_CHARS and elapsed > 0:
+            rate = self._thread_chars / elapsed
+            self.chars_per_s = RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * self.chars_per_s if self._measured else rate
+            self._measured = True
         self._on_thread, self._thread_live = None, False
         del self._owner[request_id]
+
+    def free_in_s(self, now: float) -> float:
+        """Seconds from `now` until the job on the thread is done and its place frees (0 when overdue or none)."""
+        if self._on_thread is None:
+            return 0.0
+        return max(0.0, self._thread_chars / self.chars_per_s - (now - self._thread_since))
 
     def remove(self, request_id: str) -> bool:
         """Drop a waiting job whose request ended; False when it is on the thread (it still counts in `len()`
