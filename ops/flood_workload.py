@@ -2,12 +2,13 @@
 
 `--clients` flooding connections each send as many prompts as a connection may have in flight
 (`client_max_active + client_max_queued`, 20 by default) of `--flood-chars` characters each:
-far over the context, so each is tokenized (the gateway's one tokenizer thread, ~1 s a MB on
-one core) and then refused `context_overflow` (over HTTP `context_length_exceeded`).
+far over the context, so each is tokenized (the gateway's one tokenizer thread, ~0.5 s a MB
+on one core of a 2-core host) and then refused `context_overflow` (over HTTP `context_length_exceeded`).
 `--flood-head-start-s` later a probe sends one short greedy generate (`--max-tokens`).
 Recorded: the probe's outcome, its time to first token (TTFT) and to its end, and the flood's
 outcomes by error code ("made way": ended `overloaded` to give another connection its place at
-the tokenizer) with the `retry_after_ms` they were told. Written to
+the tokenizer) with the `retry_after_ms` they were told (one flood prompt before the flood sets
+the tokenizer's measured rate). Written to
 `ops/results/loadgen_flood_<device>.json` (`…_http_…` over HTTP); a benchmark, not a test.
 
 Over HTTP (`--flood-via http`, a server started here) every request is a connection of its own,
@@ -117,8 +118,9 @@ async def one_run(
 ) -> dict:
     """One flood and one probe over `transport` (`_zmq`'s or `_http`'s); the probe's figures, the flood's outcomes."""
     flood, probe, close = await transport
-    await probe(1)  # warm-up: the first run on a fresh server is not slower for it
     text = ("milk " * (flood_chars // 5 + 1))[:flood_chars]
+    await probe(1)  # warm-up: the first run on a fresh server is not slower for it,
+    await flood(0, text)  # and the tokenizer's rate is measured before the flood
     outcomes: collections.Counter = collections.Counter()
     retries: list[int] = []  # the overloaded prompts' retry_after_ms
 

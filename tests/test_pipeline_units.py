@@ -18,7 +18,7 @@ from services.gateway.local import LocalClients
 from services.gateway.prompts import Prompter, chat_continuation
 from services.gateway.pool import RequestPool
 from shared import protocol as p
-from shared.errors import ContextOverflow, ErrorCode
+from shared.errors import BadRequest, ContextOverflow, ErrorCode
 from tests.gateway_helpers import drive
 
 CLIENT, ENGINE = b"client-1", b"e0:0"
@@ -648,6 +648,19 @@ def test_the_tokenizer_queue_estimates_when_its_job_on_the_thread_is_done():
     queue.add(b"A", ToTokenizer("big", p.Generate(id="big", prompt="x" * 130_000), None))
     assert queue.next(10.0).request_id == "big"
     assert queue.free_in_s(10.1) == pytest.approx(0.4) and queue.free_in_s(11.0) == 0.0  # overdue: any moment
+
+
+def test_only_prompts_that_reached_the_encoder_time_the_tokenizer(tokenizer):
+    """A chat template that refuses 1 MB of messages answers in a millisecond; counted, it would make the rate
+    ~1e9 characters a second and every hint 50 ms. A prompt over the context was encoded first, so it counts."""
+    from services.gateway.tokenizer_queue import PRIOR_CHARS_PER_S
+
+    core, big = make_core(tokenizer, active=1, queue=1), "milk " * 20_000
+    for i, (result, took) in enumerate(((BadRequest("the chat template rejected the messages"), 0.001),
+                                        (ContextOverflow(20_000, 256), 0.4))):  # fmt: skip
+        (job,) = [s for s in core.on_client(b"A", p.Generate(id=f"a{i}", prompt=big), i) if isinstance(s, ToTokenizer)]
+        core.on_prepared(job.request_id, job.msg, result, i + took)
+        assert core._tokenizer.chars_per_s == pytest.approx((PRIOR_CHARS_PER_S, 100_000 / 0.4)[i])
 
 
 def test_a_full_tokenizer_says_when_its_next_place_frees(tokenizer):

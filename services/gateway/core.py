@@ -11,11 +11,10 @@ A generate's path: client `generate` → tokenize (`ToTokenizer` → `on_prepare
 `engine_generate` → `engine_tokens`… → `engine_finished` → client `done` and controller
 `release`. Every phase has a bound: at most the pool's places (`max_active + max_queue`) of
 tokenizer jobs are outstanding at once, handed to the one tokenizer thread round robin across
-connections and HTTP users (`tokenizer_queue.py`, `local.tokenizer_key`; a full queue makes the one
-holding the most give way),
-each finite (one whose request ended meanwhile is dropped or skipped), the queue has
-`queue_timeout_s`, the reservation `control_timeout_s`, the engine its liveness (and its own
-wait timeout).
+callers (a connection; over HTTP a user, else a client address: `tokenizer_queue.py`,
+`local.tokenizer_key`; a full queue makes the caller holding the most give way), each finite
+(one whose request ended meanwhile is dropped or skipped), the queue has `queue_timeout_s`, the
+reservation `control_timeout_s`, the engine its liveness (and its own wait timeout).
 Every path ends the stream through `_end`, which sends the one terminal message, frees the
 pool place and promotes the queue. A connection that goes away (`on_client_gone`) has its
 requests cancelled and its own sessions closed.
@@ -26,7 +25,16 @@ from __future__ import annotations
 import secrets
 
 from shared.detok import IncrementalDetokenizer
-from shared.errors import BadRequest, ButtermilkError, EngineFailed, ErrorCode, Overloaded, QueueTimeout, Unavailable
+from shared.errors import (
+    BadRequest,
+    ButtermilkError,
+    ContextOverflow,
+    EngineFailed,
+    ErrorCode,
+    Overloaded,
+    QueueTimeout,
+    Unavailable,
+)
 from shared.protocol import (
     HEARTBEAT_S,
     Cancel,
@@ -147,7 +155,8 @@ class GatewayCore:
                     now: float) -> list[Send]:
         """A `ToTokenizer` job is back (every one must come back, None where the service skipped it because its
         request had ended): queue the request, or end it with the error."""
-        self._tokenizer.done(request_id, now, encoded=result is not None)
+        # Only work that reached the encoder times it: a template's refusal comes back at once, however long.
+        self._tokenizer.done(request_id, now, encoded=isinstance(result, (Prompt, ContextOverflow)))
         stream = self._streams.get(request_id)
         try:
             if stream is not None and stream.phase is Phase.PREPARING:  # else ended meanwhile (cancel, shutdown…)
@@ -314,8 +323,9 @@ class GatewayCore:
 
     def _make_tokenizer_room(self, key: bytes, now: float) -> None:
         """Raises Overloaded when the tokenizer's jobs are at the pool's places (a flood of long prompts must not
-        hold the one thread) and no connection (or HTTP user: `tokenizer_key`) holds two more than `key`; else,
-        at the bound, that one's newest waiting prompt ends `overloaded` to make room."""
+        hold the one thread) and no caller (`tokenizer_key`) holds two more than `key`; else, at the bound, that
+        caller's newest waiting prompt ends `overloaded` to make room. Either is told to retry when the prompt on
+        the thread should be done."""
         places = self.pool.max_active + self.pool.max_queue
         if self.num_preparing < places:
             return
@@ -327,8 +337,9 @@ class GatewayCore:
                              f"places (max_active + max_queue)", retry_after_ms=retry_ms)
         stream = self._streams[victim]
         held = self._tokenizer.held_by(tokenizer_key(stream.client))
-        exc = Overloaded(f"the tokenizer's {places} places are full and this connection (or HTTP user) held {held} "
-                         f"of them, the most: its newest prompt made way for another's", retry_after_ms=retry_ms)
+        exc = Overloaded(f"the tokenizer's {places} places are full and this prompt's caller (connection, HTTP user or "
+                         f"address) held {held} of them, the most: its newest prompt made way for another caller's",
+                         retry_after_ms=retry_ms)  # fmt: skip
         self._end(stream, error_reply(exc, None), now)
 
     def _dispatch(self, now: float) -> None:

@@ -84,7 +84,8 @@ class TokenizerQueue:
         return job
 
     def done(self, request_id: str, now: float, *, encoded: bool) -> None:
-        """The thread is back at `now` with `request_id`'s job, `encoded` or skipped (its request had ended).
+        """The thread is back at `now` with `request_id`'s job; `encoded`: its prompt went through the encoder (not
+        skipped because its request had ended, nor refused before encoding), so its time counts in the rate.
 
         Raises:
             KeyError: `request_id` is not the job on the thread.
