@@ -1,20 +1,20 @@
 """The tokenizer-flood workload of `ops.loadgen`: does one short prompt get through a flood of huge ones?
 
 `--clients` flooding connections each send as many prompts as a connection may have in flight
-(`client_max_active + client_max_queued`, 20 by default) of `--flood-chars` characters each:
-far over the context, so each is tokenized (the gateway's one tokenizer thread, ~0.5 s a MB
-on one core of a 2-core host) and then refused `context_overflow` (over HTTP `context_length_exceeded`).
-`--flood-head-start-s` later a probe sends one short greedy generate (`--max-tokens`).
-Recorded: the probe's outcome, its time to first token (TTFT) and to its end, and the flood's
-outcomes by error code ("made way": ended `overloaded` to give another connection its place at
-the tokenizer) with the `retry_after_ms` they were told (one flood prompt before the flood sets
-the tokenizer's measured rate). Written to
-`ops/results/loadgen_flood_<device>.json` (`…_http_…` over HTTP); a benchmark, not a test.
+(`client_max_active + client_max_queued`, 20 by default) of `--flood-chars` characters each: far
+over the context, so each is tokenized (the gateway's one tokenizer thread, ~0.5 s a MB on one
+core of a 2-core host) and then refused `context_overflow` (over HTTP `context_length_exceeded`).
+`--flood-head-start-s` later a probe sends one short greedy generate (`--max-tokens`). Recorded:
+the probe's outcome, its time to first token (TTFT) and to its end, and the flood's outcomes by
+error code ("made way": ended `overloaded` to give another connection its place at the
+tokenizer) with the `retry_after_ms` they were told (one flood prompt sent before the flood sets
+the tokenizer's measured rate). Written to `ops/results/loadgen_flood_<device>.json`
+(`loadgen_flood_http_<device>.json` over HTTP); a benchmark, not a test.
 
 Over HTTP (`--flood-via http`, a server started here) every request is a connection of its own,
 and the gateway gives each caller one turn of the tokenizer's round robin: an OpenAI `user`, else
 a client address. The run is made twice: every request anonymous (one caller, 127.0.0.1: first
-come, first served), then each flooding "connection", and the probe, naming its own `user`.
+come, first served), then each flooding connection's requests, and the probe, naming a `user`.
 
     python -m ops.loadgen --workload flood --start --clients 4
     python -m ops.loadgen --workload flood --address tcp://127.0.0.1:5555   # a server already running
@@ -148,8 +148,8 @@ def run(args) -> dict:
     """
     report = {"workload": "flood", "via": args.flood_via, "device": args.device, "model": args.model,
               "flood_connections": args.clients, "prompts_per_connection": PER_CONNECTION,
-              "flood_chars": args.flood_chars,
-              "head_start_s": args.flood_head_start_s, "load_average_at_start": os.getloadavg()[0]}  # fmt: skip
+              "flood_chars": args.flood_chars, "head_start_s": args.flood_head_start_s,
+              "load_average_at_start": os.getloadavg()[0]}  # fmt: skip
     shape = (args.clients, args.flood_chars, args.flood_head_start_s, args.max_tokens)
     if args.flood_via == "http":
         if args.address:
