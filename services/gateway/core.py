@@ -343,7 +343,7 @@ class GatewayCore:
         self._end(stream, error_reply(exc, None), now)
 
     def _dispatch(self, now: float) -> None:
-        """Hand the tokenizer thread its next job, round robin across connections, if it has none."""
+        """Hand the tokenizer thread its next job (at `now`, seconds), round robin across callers, if it has none."""
         job = self._tokenizer.next(now)
         if job is not None:
             self._out.append(job)
