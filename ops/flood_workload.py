@@ -156,8 +156,9 @@ def run(args) -> dict:
             raise SystemExit("--flood-via http starts its own server (with HTTP on); leave out --address")
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
-            url = "http://127.0.0.1:%d" % sock.getsockname()[1]
-        proc, _ = start_server(args.model, 1, ["--device", args.device, "--http-address", url[len("http://"):]])
+            http_address = f"127.0.0.1:{sock.getsockname()[1]}"
+        url = f"http://{http_address}"
+        proc, _ = start_server(args.model, 1, ["--device", args.device, "--http-address", http_address])
         try:
             for named in (False, True):
                 report["named_users" if named else "anonymous"] = asyncio.run(one_run(_http(url, named), *shape))

@@ -121,11 +121,18 @@ class Generate(WireMessage):
         given = [n for n in ("prompt", "messages", "token_ids") if getattr(self, n) is not None]
         if len(given) != 1:
             raise ValueError(f"exactly one of prompt, messages, token_ids is required, got {given}")
-        if self.messages and sum(len(m.content) for m in self.messages) > MAX_PROMPT_CHARS:
+        if self.messages and self.prompt_chars > MAX_PROMPT_CHARS:
             raise ValueError(f"messages hold more than {MAX_PROMPT_CHARS} characters")
         if self.new_session and self.session_id is None:
             raise ValueError("new_session=true needs a session_id")
         return self
+
+    @property
+    def prompt_chars(self) -> int:
+        """Characters of text input: the prompt's, or the messages' contents summed (0 for token ids)."""
+        if self.prompt is not None:
+            return len(self.prompt)
+        return sum(len(m.content) for m in self.messages) if self.messages is not None else 0
 
 
 class Cancel(WireMessage):

@@ -75,7 +75,7 @@ from .engines import EngineTable
 from .local import tokenizer_key
 from .outcome import done_message, emit, session_outcome
 from .observer import NullObserver, StreamObserver
-from .pool import MIN_RETRY_AFTER_MS, Admitted, RequestPool
+from .pool import Admitted, RequestPool
 from .prompts import Prompt, Prompter, Turn
 from .session_table import SessionTable, session_owner
 from .streams import Phase, Stream
@@ -286,7 +286,7 @@ class GatewayCore:
 
     def _generate(self, identity: bytes, msg: Generate, now: float) -> None:
         self.observer.received(now)
-        owner = session_owner(identity, msg.lease_id)
+        owner, key = session_owner(identity, msg.lease_id), tokenizer_key(identity)
         reply_id: str | None = msg.id
         try:
             if self.draining:
@@ -300,7 +300,7 @@ class GatewayCore:
                 turn = self.sessions.check_turn(owner, msg.session_id, msg.new_session)
                 if msg.new_session:
                     self.clients.check_sessions(self.sessions.num_started_by(identity))
-            self._make_tokenizer_room(tokenizer_key(identity), now)
+            self._make_tokenizer_room(key, now)
         except ButtermilkError as exc:
             self.observer.refused(exc.code.value, now)
             self._out.append(ToClient(identity, error_reply(exc, reply_id)))
@@ -318,7 +318,7 @@ class GatewayCore:
         self._streams[stream.request_id] = stream
         self._by_client[(identity, msg.id)] = stream.request_id
         self.clients.add_request(identity, stream.request_id, now)
-        self._tokenizer.add(tokenizer_key(identity), ToTokenizer(stream.request_id, msg, turn))
+        self._tokenizer.add(key, ToTokenizer(stream.request_id, msg, turn))
         self._dispatch(now)
 
     def _make_tokenizer_room(self, key: bytes, now: float) -> None:
@@ -329,8 +329,7 @@ class GatewayCore:
         places = self.pool.max_active + self.pool.max_queue
         if self.num_preparing < places:
             return
-        free_s = min(self._tokenizer.free_in_s(now), self.pool.queue_timeout_s)  # when the thread's job is done
-        retry_ms = max(MIN_RETRY_AFTER_MS, round(free_s * 1000))
+        retry_ms = self.pool.retry_ms(self._tokenizer.free_in_s(now))  # when the thread's job is done
         victim = self._tokenizer.victim_for(key)
         if victim is None:
             raise Overloaded(f"{self.num_preparing} prompts are waiting for the tokenizer, as many as the pool has "

@@ -223,7 +223,10 @@ class RequestPool:
             estimates_s.append(next(iter(self._queue.values()))[0] - now)
         if self._mean_active_s is not None:
             estimates_s.append(self._mean_active_s / self.max_active)
-        estimate_s = min(estimates_s) if estimates_s else self.queue_timeout_s
+        return self.retry_ms(min(estimates_s) if estimates_s else self.queue_timeout_s)
+
+    def retry_ms(self, estimate_s: float) -> int:
+        """An estimate of the wait (seconds) as a `retry_after_ms`: clamped to [MIN_RETRY_AFTER_MS, queue_timeout_s]."""
         estimate_s = min(max(estimate_s, 0.0), self.queue_timeout_s)
         # Seconds become milliseconds only here, at the edge of the pool.
         return max(MIN_RETRY_AFTER_MS, round(estimate_s * 1000))

@@ -22,20 +22,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from shared.protocol import Generate
-
 from .control import ToTokenizer
 
 RATE_MIN_CHARS = 65_536  # shorter jobs, their time mostly fixed costs, do not move the rate
 RATE_WEIGHT = 0.3  # a new long job's weight in the rate (an exponential moving average)
 PRIOR_CHARS_PER_S = 2e6  # until a long job is measured: the default model's tokenizer, one core of a 2-core host
-
-
-def prompt_chars(msg: Generate) -> int:
-    """Characters the tokenizer encodes for `msg` (0 for token ids: nothing to encode)."""
-    if msg.prompt is not None:
-        return len(msg.prompt)
-    return sum(len(m.content) for m in msg.messages) if msg.messages is not None else 0
 
 
 class TokenizerQueue:
@@ -80,7 +71,7 @@ class TokenizerQueue:
         else:
             del self._waiting[identity]
         self._on_thread, self._thread_live = job.request_id, True
-        self._thread_chars, self._thread_since = prompt_chars(job.msg), now
+        self._thread_chars, self._thread_since = job.msg.prompt_chars, now
         return job
 
     def done(self, request_id: str, now: float, *, encoded: bool) -> None:
