@@ -12,7 +12,7 @@ the tokenizer's measured rate). Written to `ops/results/loadgen_flood_<device>.j
 (`loadgen_flood_http_<device>.json` over HTTP); a benchmark, not a test.
 
 Over HTTP (`--flood-via http`, a server started here) every request is a connection of its own,
-and the gateway gives each caller one turn of the tokenizer's round robin: an OpenAI `user`, else
+and the gateway gives each caller one turn of the tokenizer's deficit round robin: an OpenAI `user`, else
 a client address. The run is made twice: every request anonymous (one caller, 127.0.0.1: first
 come, first served), then each flooding connection's requests, and the probe, naming a `user`.
 

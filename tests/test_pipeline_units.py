@@ -627,6 +627,52 @@ def test_the_tokenizer_queue_refuses_a_second_job_for_a_request_and_a_stray_done
     assert len(queue) == 0 and queue.held_by(b"A") == 0
 
 
+def test_the_tokenizer_queue_gives_a_long_prompt_a_turn_per_quantum_of_its_characters():
+    """Deficit round robin, a turn adding 65,536 characters of credit and a job costing its characters (at least
+    that): A's first 200,000-character prompt takes the idle thread after 4 turns (credit 262,144, 62,144 left); then
+    A's credit reaches 127,680 and 193,216 while B's and C's short prompts (a quantum each) go one a turn, and
+    258,752 at A's third turn for a2 (58,752 left), 255,360 three turns later for a3. Round robin by jobs would
+    give a1 a2 b1 c1 a3 b2."""
+    from services.gateway.tokenizer_queue import TokenizerQueue
+
+    queue = TokenizerQueue()
+    for identity, request_id, chars in ((b"A", "a1", 200_000), (b"A", "a2", 200_000), (b"A", "a3", 200_000),
+                                        (b"B", "b1", 10), (b"B", "b2", 65_536), (b"C", "c1", 0)):  # fmt: skip
+        msg = p.Generate(id=request_id, prompt="x" * chars) if chars else p.Generate(id=request_id, token_ids=[1])
+        queue.add(identity, ToTokenizer(request_id, msg, None))
+        if request_id == "a1":
+            order = [queue.next(0.0).request_id]  # the idle thread takes it at once, as the gateway hands it over
+    queue.done("a1", 0.0, encoded=False)
+    while (job := queue.next(0.0)) is not None:
+        order.append(job.request_id)
+        queue.done(job.request_id, 0.0, encoded=False)
+    assert order == ["a1", "b1", "c1", "b2", "a2", "a3"] and len(queue) == 0
+
+
+def test_a_connection_whose_queue_empties_forfeits_its_credit():
+    """B's 250,000-character prompt, waiting with 3 turns of credit banked (196,608), is cancelled; B's next one
+    starts from none, so A's last two short prompts go first, as before any newcomer's long one (had B kept its
+    credit, its first turn would reach 262,144 and b2 would go before a4)."""
+    from services.gateway.tokenizer_queue import TokenizerQueue
+
+    queue, order = TokenizerQueue(), []
+    queue.add(b"A", ToTokenizer("a0", p.Generate(id="a0", prompt="x"), None))
+    assert queue.next(0.0).request_id == "a0"  # on the thread while B and A queue
+    queue.add(b"B", ToTokenizer("b1", p.Generate(id="b1", prompt="x" * 250_000), None))
+    for i in range(1, 6):
+        queue.add(b"A", ToTokenizer(f"a{i}", p.Generate(id=f"a{i}", prompt="x"), None))
+    queue.done("a0", 0.0, encoded=False)
+    for _ in range(3):  # B's turn, short of its 250,000 (3 quanta: 196,608), then an A prompt
+        order.append(queue.next(0.0).request_id)
+        queue.done(order[-1], 0.0, encoded=False)
+    assert order == ["a1", "a2", "a3"] and queue.remove("b1")
+    queue.add(b"B", ToTokenizer("b2", p.Generate(id="b2", prompt="x" * 250_000), None))
+    while (job := queue.next(0.0)) is not None:
+        order.append(job.request_id)
+        queue.done(job.request_id, 0.0, encoded=False)
+    assert order == ["a1", "a2", "a3", "a4", "a5", "b2"]
+
+
 def test_the_tokenizer_queue_estimates_when_its_job_on_the_thread_is_done():
     """The rate is an exponential moving average (weight 0.3) over long prompts encoded, a prior until the first:
     100,000 characters in 0.5 s, then in 0.25 s: 0.3 * 400,000 + 0.7 * 200,000 = 260,000 a second; short, skipped

@@ -10,8 +10,8 @@ A generate's path: client `generate` → tokenize (`ToTokenizer` → `on_prepare
 (FIFO, bounded, per-client caps) → controller `reserve` → `reserved` → engine
 `engine_generate` → `engine_tokens`… → `engine_finished` → client `done` and controller
 `release`. Every phase has a bound: at most the pool's places (`max_active + max_queue`) of
-tokenizer jobs are outstanding at once, handed to the one tokenizer thread round robin across
-callers (a connection; over HTTP a user, else a client address: `tokenizer_queue.py`,
+tokenizer jobs are outstanding at once, handed to the one tokenizer thread by deficit round robin
+across callers (a connection; over HTTP a user, else a client address: `tokenizer_queue.py`,
 `local.tokenizer_key`; a full queue makes the caller holding the most give way), each finite
 (one whose request ended meanwhile is dropped or skipped), the queue has `queue_timeout_s`, the
 reservation `control_timeout_s`, the engine its liveness (and its own wait timeout).
@@ -342,7 +342,7 @@ class GatewayCore:
         self._end(stream, error_reply(exc, None), now)
 
     def _dispatch(self, now: float) -> None:
-        """Hand the tokenizer thread its next job (at `now`, seconds), round robin across callers, if it has none."""
+        """Hand the tokenizer thread its next job (at `now`, seconds), deficit round robin across callers, if it has none."""
         job = self._tokenizer.next(now)
         if job is not None:
             self._out.append(job)

@@ -5,7 +5,7 @@ A local client gets an identity the ZeroMQ ROUTER can never hand out (ROUTER ide
 any connection: same admission, pool, leases and cancellation. The service delivers what the
 core addresses to a local identity into its mailbox; after `close`, it is dropped.
 
-An HTTP request is a connection of its own, so the tokenizer's round robin (`tokenizer_queue.py`)
+An HTTP request is a connection of its own, so the tokenizer's (deficit) round robin (`tokenizer_queue.py`)
 would give every request a turn: one caller's burst of long prompts would be served first come,
 first served, and could never be made to give way. So a request carries its caller in its
 identity (`\x00local-<n>/<caller>`; the HTTP adapter's callers are `user/<OpenAI user>`, else

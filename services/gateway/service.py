@@ -8,7 +8,7 @@ Sockets (see docs/protocol.md and ARCHITECTURE.md):
 
 Each socket has one receive task: decode → core → send what the core returned. Tokenizing
 (`ToTokenizer`) runs on one worker thread, so a huge prompt never stalls the loop (the fast
-tokenizer releases the GIL); the core hands it one job at a time, round robin across
+tokenizer releases the GIL); the core hands it one job at a time, by deficit round robin across
 connections. A timer task calls `core.tick(now)`; when the loop itself was late, engine
 liveness is not judged that round, since heartbeats that arrived meanwhile are still unread.
 Client frames are capped at the socket (`ZMQ_MAXMSGSIZE`), and sends to a closed connection

@@ -1,11 +1,14 @@
 """Tokenizer jobs waiting for the gateway's one tokenizer thread, shared fairly across connections. Pure.
 
-The thread takes one job at a time, round robin over the connections with jobs waiting (each
-connection's own jobs in arrival order): a connection that sent one prompt waits behind the job
-on the thread and at most one waiting job of each other connection, not behind everything queued
-before it. This is round-robin fair queuing with a quantum of one job (Nagle, "On Packet
-Switches with Infinite Storage", IEEE Trans. Commun. 1987); jobs are bounded in size by the
-prompt limits, not weighed by it.
+The thread takes one job at a time, by deficit round robin over the connections with jobs waiting
+(each connection's own jobs in arrival order; Shreedhar and Varghese, "Efficient Fair Queuing Using
+Deficit Round Robin", SIGCOMM 1995). A turn adds `QUANTUM` characters to the connection's credit,
+and its next job goes once the credit covers the job's cost: its characters, and at least one
+quantum (below that a prompt's time is mostly fixed costs). So prompts up to a quantum go round
+robin, one a turn, and a connection's prompt waits behind the job on the thread and at most one
+waiting job of each other connection; a prompt of n quanta takes n turns, so one connection's
+megabyte prompts wait behind others' short ones instead of taking the thread turn for turn. A
+connection whose queue empties forfeits its credit.
 
 When the bound on outstanding jobs is reached (`GatewayCore` sets it to the pool's places), a
 newcomer takes the place of the newest waiting job of the connection holding the most, as long
@@ -27,6 +30,7 @@ from .control import ToTokenizer
 RATE_MIN_CHARS = 65_536  # shorter jobs, their time mostly fixed costs, do not move the rate
 RATE_WEIGHT = 0.3  # a new long job's weight in the rate (an exponential moving average)
 PRIOR_CHARS_PER_S = 2e6  # until a long job is measured: the default model's tokenizer, one core of a 2-core host
+QUANTUM = RATE_MIN_CHARS  # characters of credit a turn, and the least a job costs
 
 
 class TokenizerQueue:
@@ -37,6 +41,7 @@ class TokenizerQueue:
 
     def __init__(self) -> None:
         self._waiting: OrderedDict[bytes, deque[ToTokenizer]] = OrderedDict()  # turn order: first goes next
+        self._credit: dict[bytes, int] = {}  # characters of credit, per connection with jobs waiting
         self._owner: dict[str, bytes] = {}  # request id -> connection, for every job outstanding
         self._on_thread: str | None = None  # request id of the job the thread has
         self._thread_live = False  # its request has not ended (an ended one counts for no connection)
@@ -61,15 +66,21 @@ class TokenizerQueue:
         self._waiting.setdefault(identity, deque()).append(job)
 
     def next(self, now: float) -> ToTokenizer | None:
-        """The job to hand the thread at `now` (seconds), or None while it has one (or none waits); round robin."""
+        """The job to hand the thread at `now` (seconds), or None while it has one (or none waits); deficit round
+        robin (module docstring), one job a turn at most."""
         if self._on_thread is not None or not self._waiting:
             return None
-        identity, jobs = next(iter(self._waiting.items()))
+        while True:  # ends: every turn adds a quantum, and a job costs finitely many
+            identity, jobs = next(iter(self._waiting.items()))
+            self._waiting.move_to_end(identity)  # its turn ends, whatever it takes
+            credit = self._credit[identity] = self._credit.get(identity, 0) + QUANTUM
+            cost = max(jobs[0].msg.prompt_chars, QUANTUM)
+            if credit >= cost:
+                break
         job = jobs.popleft()
-        if jobs:
-            self._waiting.move_to_end(identity)
-        else:
-            del self._waiting[identity]
+        self._credit[identity] -= cost
+        if not jobs:
+            self._forget(identity)
         self._on_thread, self._thread_live = job.request_id, True
         self._thread_chars, self._thread_since = job.msg.prompt_chars, now
         return job
@@ -109,9 +120,14 @@ class TokenizerQueue:
         jobs = self._waiting[identity]
         jobs.remove(next(j for j in jobs if j.request_id == request_id))
         if not jobs:
-            del self._waiting[identity]
+            self._forget(identity)
         del self._owner[request_id]
         return True
+
+    def _forget(self, identity: bytes) -> None:
+        """A connection with no job left waiting leaves the round, and its credit with it."""
+        del self._waiting[identity]
+        self._credit.pop(identity, None)
 
     def victim_for(self, identity: bytes) -> str | None:
         """The request id whose waiting job should make way for a new one of `identity`, or None.

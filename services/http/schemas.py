@@ -7,7 +7,7 @@ limit (the server caps it: `--max-tokens-cap` and the context). `max_completion_
 over `max_tokens`. Extensions, as vLLM's, are top-level fields: `top_k`, and `session_id` with
 `new_session` for multi-turn sessions that keep their KV between turns (a later turn sends
 only its new messages or prompt). OpenAI's `user` (an end-user id) groups requests at the
-gateway's tokenizer: one user's prompts take one turn of its round robin (`app._caller`).
+gateway's tokenizer: one user's prompts share one turn of its round robin (`app._caller`).
 """
 
 from __future__ import annotations
