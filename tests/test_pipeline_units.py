@@ -629,10 +629,10 @@ def test_the_tokenizer_queue_refuses_a_second_job_for_a_request_and_a_stray_done
 
 def test_the_tokenizer_queue_gives_a_long_prompt_a_turn_per_quantum_of_its_characters():
     """Deficit round robin, a turn adding 65,536 characters of credit and a job costing its characters (at least
-    that): A's first 200,000-character prompt takes the idle thread after 4 turns (credit 262,144, 62,144 left); then
-    A's credit reaches 127,680 and 193,216 while B's and C's short prompts (a quantum each) go one a turn, and
-    258,752 at A's third turn for a2 (58,752 left), 255,360 three turns later for a3. Round robin by jobs would
-    give a1 a2 b1 c1 a3 b2."""
+    that): A's first 200,000-character prompt takes the idle thread (A, left with nothing waiting, forfeits the
+    62,144 its turns left over); a2 and a3 queue after it, so A's credit reaches 65,536, 131,072 and 196,608 while
+    B's and C's short prompts (a quantum each) go one a turn, and 262,144 at A's fourth turn for a2 (62,144 left),
+    258,752 three turns later for a3. Round robin by jobs would give a1 a2 b1 c1 a3 b2."""
     from services.gateway.tokenizer_queue import TokenizerQueue
 
     queue = TokenizerQueue()
@@ -649,10 +649,38 @@ def test_the_tokenizer_queue_gives_a_long_prompt_a_turn_per_quantum_of_its_chara
     assert order == ["a1", "b1", "c1", "b2", "a2", "a3"] and len(queue) == 0
 
 
+@pytest.mark.parametrize(
+    ("jobs", "order"),
+    [  # (connection, request id, characters) in arrival order, c0 or a1 taking the idle thread; the order served
+        # a1 takes 2 turns (131,072) and leaves 65,535, forfeited as A's queue empties: a2 needs 2 turns again, after b1
+        ([(b"A", "a1", 65_537), (b"B", "b1", 131_072), (b"A", "a2", 131_071)], ["a1", "b1", "a2"]),
+        # a one-character prompt costs a whole quantum, so a2 starts from none and needs 2 turns, after b1
+        ([(b"C", "c0", 1), (b"A", "a1", 1), (b"A", "a2", 131_071), (b"B", "b1", 131_072)], ["c0", "a1", "b1", "a2"]),
+        # a1 leaves 65,535 with a2 still waiting, kept: A's next turn reaches 131,071, a2's cost, before B's third
+        ([(b"C", "c0", 1), (b"A", "a1", 65_537), (b"A", "a2", 131_071), (b"B", "b1", 196_608)], ["c0", "a1", "a2", "b1"]),
+    ],
+)
+def test_the_tokenizer_queue_keeps_credit_left_over_while_jobs_wait(jobs, order):
+    """Credit left after a job is kept while the connection has more waiting, forfeited when none is left, and a
+    short prompt costs a quantum (65,536): each case fails if one of the three rules goes (hand-derived orders)."""
+    from services.gateway.tokenizer_queue import TokenizerQueue
+
+    queue, served = TokenizerQueue(), []
+    for identity, request_id, chars in jobs:
+        queue.add(identity, ToTokenizer(request_id, p.Generate(id=request_id, prompt="x" * chars), None))
+        if not served:
+            served.append(queue.next(0.0).request_id)  # the idle thread takes the first at once
+    queue.done(served[0], 0.0, encoded=False)
+    while (job := queue.next(0.0)) is not None:
+        served.append(job.request_id)
+        queue.done(job.request_id, 0.0, encoded=False)
+    assert served == order
+
+
 def test_a_connection_whose_queue_empties_forfeits_its_credit():
     """B's 250,000-character prompt, waiting with 3 turns of credit banked (196,608), is cancelled; B's next one
     starts from none, so A's last two short prompts go first, as before any newcomer's long one (had B kept its
-    credit, its first turn would reach 262,144 and b2 would go before a4)."""
+    credit, its first turn would reach 262,144 and b2 would go before a5)."""
     from services.gateway.tokenizer_queue import TokenizerQueue
 
     queue, order = TokenizerQueue(), []

@@ -6,9 +6,10 @@ Deficit Round Robin", SIGCOMM 1995). A turn adds `QUANTUM` characters to the con
 and its next job goes once the credit covers the job's cost: its characters, and at least one
 quantum (below that a prompt's time is mostly fixed costs). So prompts up to a quantum go round
 robin, one a turn, and a connection's prompt waits behind the job on the thread and at most one
-waiting job of each other connection; a prompt of n quanta takes n turns, so one connection's
-megabyte prompts wait behind others' short ones instead of taking the thread turn for turn. A
-connection whose queue empties forfeits its credit.
+waiting job of each other connection; a prompt of n quanta waits about n turns (credit left from
+the connection's earlier turns counts), so one connection's megabyte prompts wait behind others'
+short ones instead of taking the thread turn for turn. Credit is kept while the connection has
+jobs waiting (a cancelled one's turns count for the next), and forfeited when none is left.
 
 When the bound on outstanding jobs is reached (`GatewayCore` sets it to the pool's places), a
 newcomer takes the place of the newest waiting job of the connection holding the most, as long
@@ -43,6 +44,7 @@ class TokenizerQueue:
         self._waiting: OrderedDict[bytes, deque[ToTokenizer]] = OrderedDict()  # turn order: first goes next
         self._credit: dict[bytes, int] = {}  # characters of credit, per connection with jobs waiting
         self._owner: dict[str, bytes] = {}  # request id -> connection, for every job outstanding
+        self._cost: dict[str, int] = {}  # request id -> characters of credit it takes, for every job waiting
         self._on_thread: str | None = None  # request id of the job the thread has
         self._thread_live = False  # its request has not ended (an ended one counts for no connection)
         self._thread_chars, self._thread_since = 0, 0.0  # its size and when it went to the thread (s)
@@ -63,6 +65,7 @@ class TokenizerQueue:
         if job.request_id in self._owner:
             raise ValueError(f"request {job.request_id!r} already has a tokenizer job")
         self._owner[job.request_id] = identity
+        self._cost[job.request_id] = max(job.msg.prompt_chars, QUANTUM)
         self._waiting.setdefault(identity, deque()).append(job)
 
     def next(self, now: float) -> ToTokenizer | None:
@@ -74,11 +77,10 @@ class TokenizerQueue:
             identity, jobs = next(iter(self._waiting.items()))
             self._waiting.move_to_end(identity)  # its turn ends, whatever it takes
             credit = self._credit[identity] = self._credit.get(identity, 0) + QUANTUM
-            cost = max(jobs[0].msg.prompt_chars, QUANTUM)
-            if credit >= cost:
+            if credit >= self._cost[jobs[0].request_id]:
                 break
         job = jobs.popleft()
-        self._credit[identity] -= cost
+        self._credit[identity] -= self._cost.pop(job.request_id)
         if not jobs:
             self._forget(identity)
         self._on_thread, self._thread_live = job.request_id, True
@@ -121,7 +123,7 @@ class TokenizerQueue:
         jobs.remove(next(j for j in jobs if j.request_id == request_id))
         if not jobs:
             self._forget(identity)
-        del self._owner[request_id]
+        del self._owner[request_id], self._cost[request_id]
         return True
 
     def _forget(self, identity: bytes) -> None:
