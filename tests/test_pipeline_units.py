@@ -657,7 +657,8 @@ def test_the_tokenizer_queue_gives_a_long_prompt_a_turn_per_quantum_of_its_chara
         # a one-character prompt costs a whole quantum, so a2 starts from none and needs 2 turns, after b1
         ([(b"C", "c0", 1), (b"A", "a1", 1), (b"A", "a2", 131_071), (b"B", "b1", 131_072)], ["c0", "a1", "b1", "a2"]),
         # a1 leaves 65,535 with a2 still waiting, kept: A's next turn reaches 131,071, a2's cost, before B's third
-        ([(b"C", "c0", 1), (b"A", "a1", 65_537), (b"A", "a2", 131_071), (b"B", "b1", 196_608)], ["c0", "a1", "a2", "b1"]),
+        ([(b"C", "c0", 1), (b"A", "a1", 65_537), (b"A", "a2", 131_071), (b"B", "b1", 196_608)],
+         ["c0", "a1", "a2", "b1"]),
     ],
 )
 def test_the_tokenizer_queue_keeps_credit_left_over_while_jobs_wait(jobs, order):

@@ -342,7 +342,7 @@ class GatewayCore:
         self._end(stream, error_reply(exc, None), now)
 
     def _dispatch(self, now: float) -> None:
-        """Hand the tokenizer thread its next job (at `now`, seconds), deficit round robin across callers, if it has none."""
+        """Hand the tokenizer thread its next job (at `now`, seconds) if it has none, by deficit round robin."""
         job = self._tokenizer.next(now)
         if job is not None:
             self._out.append(job)
