@@ -3,7 +3,8 @@
 Each child is a real OS process (`python -m services.cli <service> ...`) in its own process
 group, started with `BUTTERMILK_PARENT_PID` so it asks the kernel to signal it if the
 supervisor dies (`die_with_parent`), leaving no orphans even after `kill -9` of the
-supervisor. The supervisor:
+supervisor; a child whose stop hangs ends itself `OVERRUN_S` past its drain (`install_stop_handlers`),
+as the supervisor's SIGKILL would. The supervisor:
 - restarts a dead engine at `epoch + 1` after telling the controller (`engine_dead`), with
   backoff, and gives up (exit 1) after `MAX_RESTARTS` within `RESTART_WINDOW_S`;
 - treats the death of the controller or gateway as fatal (exit 1), and any child exiting
@@ -20,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ from shared.protocol import EngineDead, Health, HealthOk, decode, encode
 PARENT_PID_ENV = "BUTTERMILK_PARENT_PID"
 POLL_S = 0.1
 STOP_GRACE_S = 10.0  # after SIGTERM, before SIGKILL (the gateway gets its drain time on top)
+OVERRUN_S = 5.0  # a child still running this long past its drain after SIGINT/SIGTERM ends itself
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 EXIT_USAGE = 2  # a child's configuration error (cli.main's user-error status)
@@ -295,15 +298,36 @@ def die_with_parent() -> None:
         sys.exit(1)
 
 
-def install_stop_handlers(stop) -> None:
-    """Call `stop()` on SIGINT and SIGTERM (on the running asyncio loop, if there is one)."""
+def install_stop_handlers(stop, deadline_s: float) -> None:
+    """Call `stop()` on SIGINT and SIGTERM (on the running asyncio loop, if there is one), and end the
+    process (`os._exit(1)`, logged `stop_overrun`) if it still runs `deadline_s` seconds after the first.
+
+    After `kill -9` of the supervisor nobody sends the SIGKILL that would follow its grace, so a stop
+    that hangs (a socket that will not close, a peer that is gone) would leave an orphan: the deadline
+    is that SIGKILL's stand-in. Callers pass their drain time plus `OVERRUN_S`.
+    """
     import asyncio
 
+    def on_signal(*_) -> None:
+        if not armed:
+            armed.append(threading.Timer(deadline_s, _overrun, args=(deadline_s,)))
+            armed[0].daemon = True
+            armed[0].start()
+        stop()
+
+    armed: list[threading.Timer] = []
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda _s, _f: stop())
+            signal.signal(sig, on_signal)
         return
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop)
+        loop.add_signal_handler(sig, on_signal)
+
+
+def _overrun(deadline_s: float) -> None:
+    get_logger("supervisor").error("stop_overrun", deadline_s=deadline_s, pid=os.getpid())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)

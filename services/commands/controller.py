@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
 
     from services.controller.ledger import Ledger
     from services.controller.service import ControllerCore, ControllerService
-    from services.supervisor import die_with_parent, install_stop_handlers
+    from services.supervisor import OVERRUN_S, die_with_parent, install_stop_handlers
     from shared.logging import configure_logging
 
     settings = parse_settings(ControllerSettings, args)
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     service = ControllerService(ControllerCore(ledger), settings.controller_address)
 
     async def main() -> None:
-        install_stop_handlers(service.stop)
+        install_stop_handlers(service.stop, OVERRUN_S)
         await service.run()
 
     asyncio.run(main())

@@ -144,7 +144,7 @@ def log_pool(engine_id: str, geo: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.supervisor import die_with_parent, install_stop_handlers
+    from services.supervisor import OVERRUN_S, die_with_parent, install_stop_handlers
     from shared.logging import configure_logging
 
     settings = parse_settings(EngineSettings, args)
@@ -152,5 +152,5 @@ def run(args: argparse.Namespace) -> int:
     die_with_parent()
     select_device(settings.device)
     service = build_service(settings)
-    install_stop_handlers(service.stop)
+    install_stop_handlers(service.stop, settings.drain_timeout_s + OVERRUN_S)
     return service.run()

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from services.gateway.service import GatewayAddresses, GatewayService
     from services.http.app import build_app
     from services.http.server import DISABLED, bind, make_server, serve_with_http
-    from services.supervisor import die_with_parent, install_stop_handlers
+    from services.supervisor import OVERRUN_S, die_with_parent, install_stop_handlers
     from shared.logging import configure_logging, get_logger
 
     settings = parse_settings(GatewaySettings, args)
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     service = GatewayService(core, addresses, drain_timeout_s=settings.drain_timeout_s)
 
     async def main() -> None:
-        install_stop_handlers(service.stop)
+        install_stop_handlers(service.stop, settings.drain_timeout_s + OVERRUN_S)
         if sock is None:
             await service.run()
             return
