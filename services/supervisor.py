@@ -3,8 +3,8 @@
 Each child is a real OS process (`python -m services.cli <service> ...`) in its own process
 group, started with `BUTTERMILK_PARENT_PID` so it asks the kernel to signal it if the
 supervisor dies (`die_with_parent`), leaving no orphans even after `kill -9` of the
-supervisor; a child whose stop hangs ends itself `OVERRUN_S` past its drain (`install_stop_handlers`),
-as the supervisor's SIGKILL would. The supervisor:
+supervisor; a child whose stop hangs ends itself `OVERRUN_S` past its drain (`install_stop_handlers`), in place
+of the SIGKILL the supervisor's grace would end in. The supervisor:
 - restarts a dead engine at `epoch + 1` after telling the controller (`engine_dead`), with
   backoff, and gives up (exit 1) after `MAX_RESTARTS` within `RESTART_WINDOW_S`;
 - treats the death of the controller or gateway as fatal (exit 1), and any child exiting
@@ -36,6 +36,7 @@ PARENT_PID_ENV = "BUTTERMILK_PARENT_PID"
 POLL_S = 0.1
 STOP_GRACE_S = 10.0  # after SIGTERM, before SIGKILL (the gateway gets its drain time on top)
 OVERRUN_S = 5.0  # a child still running this long past its drain after SIGINT/SIGTERM ends itself
+OVERRUN_LOG_S = 0.5  # what its `stop_overrun` line may take
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 EXIT_USAGE = 2  # a child's configuration error (cli.main's user-error status)
@@ -304,18 +305,19 @@ def install_stop_handlers(stop, deadline_s: float) -> None:
 
     After `kill -9` of the supervisor nobody sends the SIGKILL that would follow its grace, so a stop
     that hangs (a socket that will not close, a peer that is gone) would leave an orphan: the deadline
-    is that SIGKILL's stand-in. Callers pass their drain time plus `OVERRUN_S`.
+    stands in for that SIGKILL. Callers pass their drain time plus `OVERRUN_S`.
     """
     import asyncio
 
     def on_signal(*_) -> None:
         if not armed:
-            armed.append(threading.Timer(deadline_s, _overrun, args=(deadline_s,)))
-            armed[0].daemon = True
-            armed[0].start()
+            armed.append(True)  # first: a signal landing in here (the main thread's handler) finds it armed
+            timer = threading.Timer(deadline_s, _overrun, args=(deadline_s,))
+            timer.daemon = True
+            timer.start()
         stop()
 
-    armed: list[threading.Timer] = []
+    armed: list[bool] = []
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
@@ -327,7 +329,15 @@ def install_stop_handlers(stop, deadline_s: float) -> None:
 
 
 def _overrun(deadline_s: float) -> None:
-    get_logger("supervisor").error("stop_overrun", deadline_s=deadline_s, pid=os.getpid())
-    sys.stdout.flush()
-    sys.stderr.flush()
+    """Log `stop_overrun` and exit 1. The log gets half a second on a thread of its own: the output may be a
+    full or broken pipe, or its lock held by the very thread that hangs."""
+
+    def log() -> None:
+        get_logger("process").error("stop_overrun", deadline_s=deadline_s, pid=os.getpid())
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+    writer = threading.Thread(target=log, daemon=True)
+    writer.start()
+    writer.join(OVERRUN_LOG_S)
     os._exit(1)

@@ -262,44 +262,6 @@ def test_killed_supervisor_takes_its_children_along(tmp_path):
         srv.kill_everything()
 
 
-@pytest.mark.parametrize("in_loop", [False, True], ids=["thread", "asyncio"])
-def test_a_stop_that_hangs_ends_the_process_at_its_deadline(in_loop):
-    """After `kill -9` of `serve` no SIGKILL follows a child's SIGTERM, so a stop that never finishes must end the
-    process itself: exit 1, `stop_overrun` logged, `deadline_s` (here 1 s) after the first signal; a second signal
-    neither stops it sooner nor arms a second deadline."""
-    body = textwrap.dedent(f"""
-        import asyncio, time
-        from services.supervisor import install_stop_handlers
-        from shared.logging import configure_logging
-        configure_logging(json=True, level="info")
-        async def main():
-            install_stop_handlers(lambda: None, 1.0)
-            print("ready", flush=True)
-            await asyncio.sleep(30)
-        if {in_loop}:
-            asyncio.run(main())
-        else:
-            install_stop_handlers(lambda: None, 1.0)
-            print("ready", flush=True)
-            time.sleep(30)
-    """)  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", body], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        proc.send_signal(signal.SIGINT)
-        status = proc.wait(timeout=10)
-        elapsed = time.monotonic() - t0
-        out = proc.stdout.read()
-    finally:
-        proc.kill()
-    assert status == 1 and "stop_overrun" in out, out
-    assert 0.9 <= elapsed < 3.0, elapsed
-
-
 def test_serve_with_an_invalid_address_fails_fast(tmp_path):
     t0 = time.monotonic()
     proc = cli("serve", "--model", "default", "--address", "127.0.0.1:5759", "--run-dir", str(tmp_path / "run"),

@@ -1,7 +1,7 @@
 """The engine process: a socket thread feeding a queue, and the main thread stepping `EngineCore`.
 
 MLX steps block, so (as in vLLM's `EngineCoreProc`) the sockets live on their own thread:
-`EngineIO` decodes what the gateway and the controller send into a `queue.Queue`, sends HELLO
+`EngineIO` decodes what the gateway and the controller send into a `queue.SimpleQueue`, sends HELLO
 and heartbeats on its own schedule (so a long step never looks like death), and relays the
 main thread's controller-bound frames. The main thread owns the engine-out PUSH socket and the
 `EngineCore`: drain the inbox → `launch_ahead()` (the next decode window of the same streams, where
@@ -105,10 +105,10 @@ class EngineIO(threading.Thread):
         ctx (zmq.Context): shared with the main thread (contexts are thread-safe).
         addresses (EngineAddresses): where the gateway and controller listen.
         hello (Hello): this engine's HELLO.
-        inbox (queue.Queue): receives decoded messages and `Stop`.
+        inbox (queue.SimpleQueue): receives decoded messages and `Stop`.
     """
 
-    def __init__(self, ctx: zmq.Context, addresses: EngineAddresses, hello: Hello, inbox: queue.Queue):
+    def __init__(self, ctx: zmq.Context, addresses: EngineAddresses, hello: Hello, inbox: queue.SimpleQueue):
         super().__init__(name="engine-io", daemon=True)
         self.ctx, self.addresses, self.hello, self.inbox = ctx, addresses, hello, inbox
         self.snapshot = Snapshot()
@@ -223,7 +223,9 @@ class EngineService:
         self.core, self.hello, self.addresses = core, hello, addresses
         self.wait_timeout_s, self.drain_timeout_s = wait_timeout_s, drain_timeout_s
         self.meter = StatusMeter(status_interval_s, time.monotonic())
-        self.inbox: queue.Queue = queue.Queue()
+        # SimpleQueue: `stop()` puts from a signal handler on the main thread, which may be inside `get`;
+        # `queue.Queue`'s lock would deadlock there, SimpleQueue's `put` is reentrant.
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.running: dict[str, Running] = {}
         self.log = get_logger("engine", engine_id=hello.engine_id, epoch=hello.epoch)
         self._next_snapshot = 0.0
