@@ -14,17 +14,12 @@ import pytest
 from .pipeline_helpers import REPO
 
 
-def python(body: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(body)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
-
-
 @pytest.mark.parametrize("in_loop", [False, True], ids=["thread", "asyncio"])
 def test_a_stop_that_hangs_ends_the_process_at_its_deadline(in_loop):
     """After `kill -9` of `serve` no SIGKILL follows a child's SIGTERM, so a stop that never finishes must end the
     process itself: exit 1, `stop_overrun` logged, `deadline_s` (1 s) after the first signal. A second signal 0.7 s
     later neither ends it sooner nor moves the deadline (that would be 1.7 s)."""
-    proc = python(f"""
+    body = textwrap.dedent(f"""
         import asyncio, time
         from services.supervisor import install_stop_handlers
         from shared.logging import configure_logging
@@ -40,6 +35,8 @@ def test_a_stop_that_hangs_ends_the_process_at_its_deadline(in_loop):
             print("ready", flush=True)
             time.sleep(30)
     """)
+    proc = subprocess.Popen([sys.executable, "-c", body], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
     try:
         assert proc.stdout.readline().strip() == "ready"
         t0 = time.monotonic()

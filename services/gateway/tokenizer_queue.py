@@ -44,7 +44,7 @@ class TokenizerQueue:
         self._waiting: OrderedDict[bytes, deque[ToTokenizer]] = OrderedDict()  # turn order: first goes next
         self._credit: dict[bytes, int] = {}  # characters of credit, per connection with jobs waiting
         self._owner: dict[str, bytes] = {}  # request id -> connection, for every job outstanding
-        self._cost: dict[str, int] = {}  # request id -> characters of credit it takes, for every job waiting
+        self._chars: dict[str, int] = {}  # request id -> its prompt's characters, for every job waiting
         self._on_thread: str | None = None  # request id of the job the thread has
         self._thread_live = False  # its request has not ended (an ended one counts for no connection)
         self._thread_chars, self._thread_since = 0, 0.0  # its size and when it went to the thread (s)
@@ -65,7 +65,7 @@ class TokenizerQueue:
         if job.request_id in self._owner:
             raise ValueError(f"request {job.request_id!r} already has a tokenizer job")
         self._owner[job.request_id] = identity
-        self._cost[job.request_id] = max(job.msg.prompt_chars, QUANTUM)
+        self._chars[job.request_id] = job.msg.prompt_chars  # counted once (messages: a sum over them)
         self._waiting.setdefault(identity, deque()).append(job)
 
     def next(self, now: float) -> ToTokenizer | None:
@@ -77,14 +77,15 @@ class TokenizerQueue:
             identity, jobs = next(iter(self._waiting.items()))
             self._waiting.move_to_end(identity)  # its turn ends, whatever it takes
             credit = self._credit[identity] = self._credit.get(identity, 0) + QUANTUM
-            if credit >= self._cost[jobs[0].request_id]:
+            if credit >= max(self._chars[jobs[0].request_id], QUANTUM):
                 break
         job = jobs.popleft()
-        self._credit[identity] -= self._cost.pop(job.request_id)
+        chars = self._chars.pop(job.request_id)
+        self._credit[identity] -= max(chars, QUANTUM)
         if not jobs:
             self._forget(identity)
         self._on_thread, self._thread_live = job.request_id, True
-        self._thread_chars, self._thread_since = job.msg.prompt_chars, now
+        self._thread_chars, self._thread_since = chars, now
         return job
 
     def done(self, request_id: str, now: float, *, encoded: bool) -> None:
@@ -123,7 +124,7 @@ class TokenizerQueue:
         jobs.remove(next(j for j in jobs if j.request_id == request_id))
         if not jobs:
             self._forget(identity)
-        del self._owner[request_id], self._cost[request_id]
+        del self._owner[request_id], self._chars[request_id]
         return True
 
     def _forget(self, identity: bytes) -> None:
