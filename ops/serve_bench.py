@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
     parser.add_argument("--step-token-budget", type=int, default=512, help="engine tokens per step")
     parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument("--decode-window", type=int, default=None, help="engine decode steps per host sync (default: the engine's)")
     parser.add_argument("--kill-streams", type=int, default=16, help="requests in flight at the kill")
     parser.add_argument("--kill-max-tokens", type=int, default=512, help="their length (keeps them running)")
     parser.add_argument("--ready-timeout-s", type=float, default=180.0)
@@ -78,8 +79,11 @@ def sizes(args) -> dict:
     """
     most = max(args.concurrency + [args.kill_streams + KILL_WAVE])
     per_request = args.prompt_tokens + max(args.max_tokens, args.kill_max_tokens)
-    return {"capacity_tokens": most * (per_request + 16) + 1024, "max_slots": most,
-            "step_token_budget": args.step_token_budget, "max_context": args.max_context}  # fmt: skip
+    found = {"capacity_tokens": most * (per_request + 16) + 1024, "max_slots": most,
+             "step_token_budget": args.step_token_budget, "max_context": args.max_context}  # fmt: skip
+    if args.decode_window is not None:
+        found["decode_window"] = args.decode_window
+    return found
 
 
 class Report:

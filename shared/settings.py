@@ -89,6 +89,9 @@ class EngineSettings(ModelSettings):
     max_slots: int = Field(16, ge=1, description="sequences held at once (sessions included)")
     step_token_budget: int = Field(512, ge=1, description="tokens computed per step (prefill chunks and decodes)")
     page_size: int = Field(16, ge=1, description="tokens per KV page")
+    decode_window: int | None = Field(None, ge=1, description="most decode steps per host sync while no prompt waits "
+                                      "(default 16 on a GPU, 8 on the CPU; at most the page size); a prompt that "
+                                      "arrives mid-window joins at its end")
     wait_timeout_s: float = Field(60.0, gt=0, description="longest wait of an accepted request for a slot, seconds")
     drain_timeout_s: float = Field(5.0, ge=0, description="on shutdown, how long running requests may finish, seconds")
     no_prefix_cache: bool = Field(False, description="do not share cached pages of common prompt prefixes")

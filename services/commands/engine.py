@@ -75,7 +75,7 @@ def build_service(settings: EngineSettings):
     core = EngineCore(
         loaded, options, capacity_tokens=pool_capacity(settings, loaded, options), max_slots=settings.max_slots,
         step_token_budget=settings.step_token_budget, page_size=settings.page_size,
-        prefix_cache=not settings.no_prefix_cache,
+        decode_window=settings.decode_window, prefix_cache=not settings.no_prefix_cache,
     )  # fmt: skip
     geo = core.geometry
     log_pool(settings.engine_id, geo)
