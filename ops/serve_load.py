@@ -62,8 +62,16 @@ class RequestRecord:
 def summarize(records: list[RequestRecord], concurrency: int) -> dict:
     """Level figures: throughput (completion tokens/s over the level's wall time), TTFT,
     inter-token latency (ITL) and time per output token (TPOT, a request's decode time over
-    its tokens after the first) as p50/p95 in milliseconds, and failures by code."""
+    its tokens after the first) as p50/p95 in milliseconds, and failures by code.
+
+    TTFT is also split: `ttft_first_ms` over each client's first request (all sent at once, so they
+    queue for prefill together) and `ttft_next_ms` over the rest (each sent when its client's last one
+    ended, so it joins a batch that is decoding)."""
     done = [r for r in records if r.error_code is None]
+    first: dict[int, RequestRecord] = {}
+    for r in sorted(records, key=lambda r: r.start_s):
+        first.setdefault(r.client, r)
+    ttft = [(r.token_times_s[0] - r.start_s, first[r.client] is r) for r in done if r.token_times_s]
     tokens = sum(len(r.token_times_s) for r in records)
     wall_s = max((r.end_s for r in records), default=0.0) - min((r.start_s for r in records), default=0.0)
     failed: dict[str, int] = {}
@@ -77,7 +85,9 @@ def summarize(records: list[RequestRecord], concurrency: int) -> dict:
         "completion_tokens": tokens,
         "wall_s": round(wall_s, 3),
         "throughput_tok_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
-        "ttft_ms": percentiles([r.token_times_s[0] - r.start_s for r in done if r.token_times_s]),
+        "ttft_ms": percentiles([t for t, _ in ttft]),
+        "ttft_first_ms": percentiles([t for t, is_first in ttft if is_first]),
+        "ttft_next_ms": percentiles([t for t, is_first in ttft if not is_first]),
         "itl_ms": percentiles([g for r in done for g in gaps(r.token_times_s)]),
         "tpot_ms": percentiles([(r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1)
                                 for r in done if len(r.token_times_s) > 1]),  # fmt: skip

@@ -113,11 +113,23 @@ def test_level_summary_figures():
     assert level["throughput_tok_s"] == round(7 / 1.5, 1)
     assert level["failed"] == {"engine_failed": 1} and level["requests"] == 3
     assert level["ttft_ms"] == {"p50": 100.0, "p95": 300.0}  # TTFTs 0.1 and 0.3 s
+    assert level["ttft_first_ms"] == {"p50": 100.0, "p95": 300.0}  # each client's first request
+    assert level["ttft_next_ms"] == {"p50": None, "p95": None}
     # TPOT: (0.5 - 0.1) / 3 and (1.5 - 1.3) / 2 seconds; nearest rank p50 is the smaller.
     assert level["tpot_ms"] == {"p50": 100.0, "p95": round(0.4 / 3 * 1000, 2)}
     # ITL gaps: 0.1, 0.0, 0.3, 0.1, 0.1 (s) -> sorted 0, .1, .1, .1, .3
     assert level["itl_ms"] == {"p50": 100.0, "p95": 300.0}
     json.dumps(level)  # JSON-ready
+
+
+def test_ttft_is_split_into_first_requests_and_follow_ups():
+    # Client 0 sends at 0.0 (first token at 0.05 s) and again at 0.5 (0.7: 200 ms); client 1 at 0.0 (0.1)
+    # and 0.6 (0.9: 300 ms); client 1's third request failed and counts in neither.
+    records = [RequestRecord(0, 0.5, [0.7, 0.8]), RequestRecord(1, 0.0, [0.1]), RequestRecord(0, 0.0, [0.05]),
+               RequestRecord(1, 0.6, [0.9]), RequestRecord(1, 1.0, error_code="engine_failed")]
+    level = summarize(records, concurrency=2)
+    assert level["ttft_first_ms"] == {"p50": 50.0, "p95": 100.0}
+    assert level["ttft_next_ms"] == {"p50": 200.0, "p95": 300.0}
 
 
 def test_scaling_rows_and_their_ideal():
