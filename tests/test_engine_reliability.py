@@ -5,6 +5,7 @@ it accepted (item 2). The engine service is driven without sockets (frames are c
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from unittest import mock
 
@@ -201,3 +202,47 @@ def test_the_loop_launches_windows_ahead_and_publishes_every_token_in_order(tiny
     assert said == {"a": greedy(tiny_llama, options, [1, 2, 3], 40), "b": greedy(tiny_llama, options, [1, 2, 3], 20)}
     assert {k: m.reason for k, m in finishes(out).items()} == {"a": "length", "b": "length"}
     assert sum(ahead) >= 2 and not svc.running
+
+
+def test_a_request_that_arrives_while_the_launch_ahead_is_held_joins_the_next_launch(tiny_llama):
+    """The loop waits for prompts before it launches a window ahead (`LaunchHold`): one that arrives then
+    is taken in at once, and the launch after the window in flight computes its prefill (no window between)."""
+    svc, out, relay = service(tiny_llama, 2, tail=True), Captured(), Captured()
+    core, launches, reads = svc.core, [], []
+    run, collect = core.runner.run, core.collect
+
+    class OneHold:  # holds the first launch ahead 5 s; "b" arrives 0.2 s into it
+        held_at: float | None = None
+
+        def hold_s(self, steps):
+            if self.held_at is not None:
+                return 0.0
+            self.held_at = time.monotonic()
+            threading.Timer(0.2, svc.inbox.put, [generate("b", max_tokens=4)]).start()
+            return 5.0
+
+        def observe(self, *args):
+            pass
+
+    def recorded(plan, ahead_of=None):
+        launches.append((time.monotonic(), ahead_of is not None, {r.request_id for r in plan.sampling}))
+        return run(plan, ahead_of)
+
+    def collect_then_stop():
+        outputs = collect()
+        reads.append(1)
+        if len(reads) == 6:
+            svc.inbox.put(Stop(0, "test"))
+        return outputs
+
+    svc.hold, core.runner.run, core.collect = OneHold(), recorded, collect_then_stop
+    svc.inbox.put(generate("a", max_tokens=40))
+    assert svc._loop(out, relay, _IO()).status == 0
+    after = [(at, ahead, ids) for at, ahead, ids in launches if at > svc.hold.held_at]
+    at, ahead, ids = after[0]
+    assert "b" in ids and not ahead and at - svc.hold.held_at < 2.0  # the next launch, long before 5 s
+    said = {"a": [], "b": []}
+    for message in out.messages:
+        for chunk in getattr(message, "chunks", []):
+            said[chunk.id] += chunk.token_ids
+    assert said == {"a": greedy(tiny_llama, core.options, [1, 2, 3], 40), "b": greedy(tiny_llama, core.options, [1, 2, 3], 4)}

@@ -203,6 +203,16 @@ class EngineCore:
         """Whether a launched step awaits its read-back (with `run_ahead`, between calls of `step()`)."""
         return bool(self._in_flight)
 
+    @property
+    def windows_in_flight(self) -> int:
+        """Steps launched and not yet read back: 2 while one runs ahead of another."""
+        return len(self._in_flight)
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Decode steps of the oldest step in flight (0: none)."""
+        return self._in_flight[0][0].steps if self._in_flight else 0
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight) or bool(self._aborts)
 

@@ -60,6 +60,7 @@ from shared.protocol import (
 )
 
 from .core import EngineCore, RequestOutput
+from .launch_hold import LaunchHold
 from .request import Request, RequestStatus
 from .status import StatusMeter
 
@@ -214,11 +215,13 @@ class EngineService:
         wait_timeout_s (float): longest wait of an accepted request for a slot, seconds.
         drain_timeout_s (float): on `stop()`, how long running requests may finish, seconds.
         status_interval_s (float): seconds between status log lines (0: none). Default: 10.
+        launch_hold (bool): launch a decode window ahead as late as the GPU allows (`LaunchHold`), not at once.
     """
 
     def __init__(
         self, core: EngineCore, hello: Hello, addresses: EngineAddresses, *,
         wait_timeout_s: float = 60.0, drain_timeout_s: float = 5.0, status_interval_s: float = 10.0,
+        launch_hold: bool = True,
     ):  # fmt: skip
         self.core, self.hello, self.addresses = core, hello, addresses
         self.wait_timeout_s, self.drain_timeout_s = wait_timeout_s, drain_timeout_s
@@ -231,6 +234,7 @@ class EngineService:
         self._next_snapshot = 0.0
         self._needs_fence = False  # a session was closed: step once even when idle
         self._draining: Stop | None = None  # set by `stop()`: finish what runs, then exit
+        self.hold = LaunchHold(launch_hold)
 
     def run(self) -> int:
         """Serve until a `Stop` arrives; returns the process exit status."""
@@ -282,11 +286,20 @@ class EngineService:
             if self.core.has_unfinished() or self._needs_fence:
                 # An idle step passes the cache's fence, so a closed session's pages return now.
                 self._needs_fence = False
-                # A decode window of the same streams launches before the read-back (the GPU goes on);
-                # else tokens go out before the next launch (the host's launch of a decode window takes
+                # A decode window of the same streams launches before the read-back (the GPU goes on), as late
+                # as the GPU allows (`LaunchHold`: a prompt that arrives meanwhile joins the next step); else
+                # tokens go out before the next launch (the host's launch of a decode window takes
                 # milliseconds), and requests that arrived while the GPU ran the last step join the next.
+                steps, started = self.core.steps_in_flight, time.monotonic()
+                if self.core.can_launch_ahead and (held := self._hold(out, started + self.hold.hold_s(steps))):
+                    continue  # a Stop: handled at the top
+                launching = time.monotonic()
                 self._publish(self.core.launch_ahead(), out, relay)
+                collecting = time.monotonic()
+                ahead = self.core.windows_in_flight == 2
                 self._publish(self.core.collect(), out, relay)
+                if ahead:
+                    self.hold.observe(steps, launching - started, collecting - launching, time.monotonic() - collecting)
                 held = self._drain(out, block=False)
                 if not self.core.in_flight and (held is None or (held.status == 0 and self.running)):
                     self._publish(self.core.launch(), out, relay)
@@ -294,6 +307,18 @@ class EngineService:
                 io.snapshot = self._snapshot()
                 self._next_snapshot = time.monotonic() + SNAPSHOT_EVERY_S
                 self._log_status(io.snapshot)
+
+    def _hold(self, out: zmq.Socket, until: float) -> Stop | None:
+        """Apply what arrives until `until` (monotonic seconds) while the next window may launch ahead; a Stop ends it."""
+        while self.core.can_launch_ahead and (wait_s := until - time.monotonic()) > 0:
+            try:
+                item = self.inbox.get(timeout=wait_s)
+            except queue.Empty:
+                return None
+            if isinstance(item, Stop):
+                return item
+            self._apply(item, out)
+        return None
 
     def _drain(self, out: zmq.Socket, *, block: bool) -> Stop | None:
         """Apply every queued message (waiting briefly for one when idle)."""
