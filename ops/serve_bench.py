@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step-token-budget", type=int, default=512, help="engine tokens per step")
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--decode-window", type=int, default=None, help="engine decode steps per host sync (default: the engine's)")
-    parser.add_argument("--no-launch-hold", action="store_true", help="serve's engines launch each decode window ahead at once")
+    parser.add_argument("--launch-hold", action="store_true", help="serve's engines launch each decode window ahead as late as the GPU allows")
     parser.add_argument("--kill-streams", type=int, default=16, help="requests in flight at the kill")
     parser.add_argument("--kill-max-tokens", type=int, default=512, help="their length (keeps them running)")
     parser.add_argument("--ready-timeout-s", type=float, default=180.0)
@@ -253,7 +253,7 @@ def phase_paired(args, report: Report, deadline: float, core, core_info: dict, s
 
     def put() -> None:
         report.put("paired", {"core": core_info, "engines": engine_table(server.stats()),
-                              "launch_hold": not args.no_launch_hold, "levels": levels})  # fmt: skip
+                              "launch_hold": args.launch_hold, "levels": levels})  # fmt: skip
 
     try:
         for c in args.concurrency:
@@ -283,7 +283,7 @@ def serve_flags(args) -> list[str]:
              "--client-max-queued", most]  # fmt: skip
     for name, value in sizes(args).items():
         flags += ["--" + name.replace("_", "-"), str(value)]
-    return flags + (["--no-launch-hold"] if args.no_launch_hold else [])
+    return flags + (["--launch-hold"] if args.launch_hold else [])
 
 
 def phase_serve(args, report: Report, deadline: float, server) -> None:
@@ -291,7 +291,7 @@ def phase_serve(args, report: Report, deadline: float, server) -> None:
     from ops.serve_load import WireLoad
 
     key = f"serve_e{args.engines}{args.label}"
-    info = {"engines": engine_table(server.stats()), "settings": sizes(args), "launch_hold": not args.no_launch_hold,
+    info = {"engines": engine_table(server.stats()), "settings": sizes(args), "launch_hold": args.launch_hold,
             "ready_s": server.ready_s}  # fmt: skip
     load = WireLoad(server.address, max(args.concurrency))
     try:

@@ -380,7 +380,7 @@ def test_decode_window_defaults_to_16_steps_where_steps_run_ahead_of_the_host(ti
     assert make_core(loaded, page_size=8, decode_window=16).scheduler.decode_window == 8  # at most a page
 
 
-def test_the_engine_setting_sets_the_decode_window(tiny_llama, monkeypatch):
+def test_the_engine_settings_set_the_decode_window_and_the_launch_hold(tiny_llama, monkeypatch):
     from services.commands.engine import build_service
     from services.engine import runtime
     from shared.settings import EngineSettings
@@ -389,8 +389,9 @@ def test_the_engine_setting_sets_the_decode_window(tiny_llama, monkeypatch):
     monkeypatch.setattr(runtime, "open_model", lambda settings: (loaded, CacheOptions(max_context=256)))
     sizes = {"model": "tiny", "capacity_tokens": 512, "max_slots": 4, "step_token_budget": 32}
     assert build_service(EngineSettings(**sizes, decode_window=3)).core.scheduler.decode_window == 3
-    core = build_service(EngineSettings(**sizes)).core
-    assert core.scheduler.decode_window == (16 if core.cache.use_tail else 8)  # the engine's default
+    service = build_service(EngineSettings(**sizes))
+    assert service.core.scheduler.decode_window == (16 if service.core.cache.use_tail else 8)  # the engine's default
+    assert not service.hold.enabled and build_service(EngineSettings(**sizes, launch_hold=True)).hold.enabled
 
 
 def test_geometry_and_stats_describe_capacity(tiny_llama):

@@ -98,7 +98,7 @@ def build_service(settings: EngineSettings):
     return EngineService(core, hello, addresses, wait_timeout_s=settings.wait_timeout_s,
                          drain_timeout_s=settings.drain_timeout_s,
                          status_interval_s=settings.status_interval_s,
-                         launch_hold=not settings.no_launch_hold)  # fmt: skip
+                         launch_hold=settings.launch_hold)  # fmt: skip
 
 
 def pool_capacity(settings: EngineSettings, loaded, options) -> int:

@@ -4,16 +4,16 @@ MLX steps block, so (as in vLLM's `EngineCoreProc`) the sockets live on their ow
 `EngineIO` decodes what the gateway and the controller send into a `queue.SimpleQueue`, sends HELLO
 and heartbeats on its own schedule (so a long step never looks like death), and relays the
 main thread's controller-bound frames. The main thread owns the engine-out PUSH socket and the
-`EngineCore`: drain the inbox → wait on it for part of the window in flight (`LaunchHold`) →
-`launch_ahead()` (the next decode window of the same streams, where no prompt waits: the GPU goes from
+`EngineCore`: drain the inbox → with `launch_hold`, wait on it for part of the window in flight
+(`LaunchHold`) → `launch_ahead()` (the next decode window of the same streams, where no prompt waits: the GPU goes from
 window to window) → `collect()` (read back the oldest step in
 flight) → publish its tokens and finishes → drain again → `launch()` the next step if none runs.
 Otherwise between the read-back and the launch the GPU has nothing to do anyway, so the tokens leave
 a launch sooner (launching a decode window takes the host milliseconds) and a request that arrived
 while the step ran joins the next one (taken in only before the read-back, it waited a whole step
 more than in process: measured on an H200, `ops/results/pipeline_trace_gpu_2026-12-04.json`); while
-windows run ahead it joins after the window in flight if it came during the hold, else after the window
-launched ahead too.
+windows run ahead it joins after the window launched ahead too (with `launch_hold`, after the window in
+flight if it came during the hold).
 
 Every accepted request ends: one still waiting for a slot or pages after `wait_timeout_s`
 ends with `queue_timeout` (refused: a session is unchanged). `stop()` drains: new requests
@@ -218,12 +218,13 @@ class EngineService:
         drain_timeout_s (float): on `stop()`, how long running requests may finish, seconds.
         status_interval_s (float): seconds between status log lines (0: none). Default: 10.
         launch_hold (bool): launch a decode window ahead as late as the GPU allows (`LaunchHold`), not at once.
+            Default: False.
     """
 
     def __init__(
         self, core: EngineCore, hello: Hello, addresses: EngineAddresses, *,
         wait_timeout_s: float = 60.0, drain_timeout_s: float = 5.0, status_interval_s: float = 10.0,
-        launch_hold: bool = True,
+        launch_hold: bool = False,
     ):  # fmt: skip
         self.core, self.hello, self.addresses = core, hello, addresses
         self.wait_timeout_s, self.drain_timeout_s = wait_timeout_s, drain_timeout_s
