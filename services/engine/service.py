@@ -5,9 +5,9 @@ MLX steps block, so (as in vLLM's `EngineCoreProc`) the sockets live on their ow
 and heartbeats on its own schedule (so a long step never looks like death), and relays the
 main thread's controller-bound frames. The main thread owns the engine-out PUSH socket and the
 `EngineCore`: drain the inbox → with `launch_hold`, wait on it for part of the window in flight
-(`LaunchHold`) → `launch_ahead()` (the next decode window of the same streams, where no prompt waits: the GPU goes from
-window to window) → `collect()` (read back the oldest step in
-flight) → publish its tokens and finishes → drain again → `launch()` the next step if none runs.
+(`LaunchHold`) → `launch_ahead()` (the next decode window of the same streams, where no prompt waits:
+the GPU goes from window to window) → `collect()` (read back the oldest step in flight) → publish
+its tokens and finishes → drain again → `launch()` the next step if none runs.
 Otherwise between the read-back and the launch the GPU has nothing to do anyway, so the tokens leave
 a launch sooner (launching a decode window takes the host milliseconds) and a request that arrived
 while the step ran joins the next one (taken in only before the read-back, it waited a whole step
@@ -289,9 +289,9 @@ class EngineService:
             if self.core.has_unfinished() or self._needs_fence:
                 # An idle step passes the cache's fence, so a closed session's pages return now.
                 self._needs_fence = False
-                # A decode window of the same streams launches before the read-back (the GPU goes on), as late
-                # as the GPU allows (`LaunchHold`: a prompt that arrives meanwhile joins the next step); else
-                # tokens go out before the next launch (the host's launch of a decode window takes
+                # A decode window of the same streams launches before the read-back (the GPU goes on; with
+                # `launch_hold` as late as the GPU allows, so a prompt that arrives meanwhile joins the next
+                # step); else tokens go out before the next launch (the host's launch of a decode window takes
                 # milliseconds), and requests that arrived while the GPU ran the last step join the next.
                 steps, started = self.core.steps_in_flight, time.monotonic()
                 if self.core.can_launch_ahead and (held := self._hold(out, started + self.hold.hold_s(steps))):
@@ -302,7 +302,8 @@ class EngineService:
                 ahead = self.core.windows_in_flight == 2
                 self._publish(self.core.collect(), out, relay)
                 if ahead:
-                    self.hold.observe(steps, launching - started, collecting - launching, time.monotonic() - collecting)
+                    blocked = time.monotonic() - collecting
+                    self.hold.observe(steps, launching - started, collecting - launching, blocked)
                 held = self._drain(out, block=False)
                 if not self.core.in_flight and (held is None or (held.status == 0 and self.running)):
                     self._publish(self.core.launch(), out, relay)
@@ -312,7 +313,9 @@ class EngineService:
                 self._log_status(io.snapshot)
 
     def _hold(self, out: zmq.Socket, until: float) -> Stop | None:
-        """Apply what arrives until `until` (monotonic seconds) while the next window may launch ahead; a Stop ends it."""
+        """Apply what arrives until `until` (monotonic seconds) while the next window may launch ahead.
+
+        Returns the `Stop` that ended the wait, if one did."""
         while self.core.can_launch_ahead and (wait_s := until - time.monotonic()) > 0:
             try:
                 item = self.inbox.get(timeout=wait_s)
