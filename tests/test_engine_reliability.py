@@ -204,6 +204,24 @@ def test_the_loop_launches_windows_ahead_and_publishes_every_token_in_order(tiny
     assert sum(ahead) >= 2 and not svc.running
 
 
+class OneHold:
+    """Stands in for `LaunchHold`: holds the first launch ahead 5 s and puts `arrival` in the inbox 0.2 s into it;
+    records what `observe` is given."""
+
+    def __init__(self, svc: EngineService, arrival):
+        self.svc, self.arrival, self.held_at, self.observed = svc, arrival, None, []
+
+    def hold_s(self, steps: int) -> float:
+        if self.held_at is not None:
+            return 0.0
+        self.held_at = time.monotonic()
+        threading.Timer(0.2, self.svc.inbox.put, [self.arrival]).start()
+        return 5.0
+
+    def observe(self, steps: int, held_s: float, launch_s: float, blocked_s: float) -> None:
+        self.observed.append((steps, held_s, launch_s, blocked_s))
+
+
 def test_a_request_that_arrives_while_the_launch_ahead_is_held_joins_the_next_launch(tiny_llama):
     """The loop waits for prompts before it launches a window ahead (`LaunchHold`): one that arrives then
     is taken in at once, and the launch after the window in flight computes its prefill (no window between)."""
@@ -211,18 +229,7 @@ def test_a_request_that_arrives_while_the_launch_ahead_is_held_joins_the_next_la
     core, launches, reads = svc.core, [], []
     run, collect = core.runner.run, core.collect
 
-    class OneHold:  # holds the first launch ahead 5 s; "b" arrives 0.2 s into it
-        held_at: float | None = None
-
-        def hold_s(self, steps):
-            if self.held_at is not None:
-                return 0.0
-            self.held_at = time.monotonic()
-            threading.Timer(0.2, svc.inbox.put, [generate("b", max_tokens=4)]).start()
-            return 5.0
-
-        def observe(self, *args):
-            pass
+    svc.hold = OneHold(svc, generate("b", max_tokens=4))
 
     def recorded(plan, ahead_of=None):
         launches.append((time.monotonic(), ahead_of is not None, {r.request_id for r in plan.sampling}))
@@ -235,7 +242,7 @@ def test_a_request_that_arrives_while_the_launch_ahead_is_held_joins_the_next_la
             svc.inbox.put(Stop(0, "test"))
         return outputs
 
-    svc.hold, core.runner.run, core.collect = OneHold(), recorded, collect_then_stop
+    core.runner.run, core.collect = recorded, collect_then_stop
     svc.inbox.put(generate("a", max_tokens=40))
     assert svc._loop(out, relay, _IO()).status == 0
     after = [(at, ahead, ids) for at, ahead, ids in launches if at > svc.hold.held_at]
@@ -246,3 +253,19 @@ def test_a_request_that_arrives_while_the_launch_ahead_is_held_joins_the_next_la
         for chunk in getattr(message, "chunks", []):
             said[chunk.id] += chunk.token_ids
     assert said == {"a": greedy(tiny_llama, core.options, [1, 2, 3], 40), "b": greedy(tiny_llama, core.options, [1, 2, 3], 4)}
+    # every launch ahead was fitted from: the window's steps, then held, launch and read-back seconds
+    assert svc.hold.observed and all(steps >= 1 and min(times) >= 0 for steps, *times in svc.hold.observed)
+
+
+def test_a_stop_that_arrives_while_the_launch_ahead_is_held_ends_the_loop(tiny_llama):
+    svc, out, relay = service(tiny_llama, 2, tail=True), Captured(), Captured()
+    svc.hold = OneHold(svc, Stop(0, "test"))
+    svc.inbox.put(generate("a", max_tokens=40))
+    watchdog = threading.Timer(20.0, svc.inbox.put, [Stop(99, "watchdog")])  # a lost Stop would idle the loop
+    watchdog.start()
+    try:
+        stop = svc._loop(out, relay, _IO())
+    finally:
+        watchdog.cancel()
+    assert svc.hold.held_at is not None and (stop.status, stop.reason) == (0, "test")
+    assert finishes(out)["a"].reason == "length"  # a drain: the running request still ran to its end

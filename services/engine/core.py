@@ -15,6 +15,7 @@ is computed by the time its launch returns, so the same call reads it back (then
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -143,6 +144,7 @@ class EngineCore:
         self.run_ahead = self.cache.use_tail if run_ahead is None else run_ahead
         self._ring_windows = any(w is not None for w in self.cache.windows)
         self._aborts: set[str] = set()
+        self.read_back_s = 0.0  # the last read-back's wait for its step and the read, seconds
 
     def _check_geometry(self) -> None:
         """Run one token through a scratch slot, so a model the caches cannot serve fails at start.
@@ -281,7 +283,9 @@ class EngineCore:
     def _read_back(self) -> list[RequestOutput]:
         """Collect the oldest step in flight (if any) and apply aborts: what they finished or produced."""
         previous = self._in_flight.popleft() if self._in_flight else None
+        started = time.monotonic()
         sampled = self.runner.collect(previous[1]) if previous else {}
+        self.read_back_s = time.monotonic() - started
         outputs = self._apply_aborts()
         if previous:
             outputs += [self._output(r, tokens) for r, tokens in self.scheduler.update(previous[0], sampled)]

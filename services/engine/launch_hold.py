@@ -7,10 +7,12 @@ waiting for all of k+1 and all of k+2 before its prefill starts. The host only h
 before k+1 ends, so the loop may instead wait on its inbox for part of k+1: a prompt that arrives
 meanwhile joins the step launched after k+1's read-back, one window sooner.
 
-`LaunchHold` learns that wait from the time the loop then spends blocked in the read-back (the GPU's
-slack after the launch): it keeps the block near a margin. A read-back that did not block means the
-GPU may have waited for the launch, and the hold halves. Where the host sets the pace the read-back
-never blocks and the hold stays 0: windows launch at once, as before.
+`LaunchHold` learns that wait from the read-back's wait for the GPU after the launch (`EngineCore.read_back_s`:
+the runner's wait and read alone, none of the host's bookkeeping): it keeps that wait near a margin. A
+read-back that hardly waited means the GPU may have waited for the launch, and the hold halves; the hold
+grows at most to twice the last one plus a millisecond a window, so one slow read-back (a pause of the
+host or a shared GPU) cannot set a long hold at once. Where the host sets the pace the read-back finds
+its window done and the hold stays 0: windows launch at once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 MARGIN_S = 0.001  # least blocked time kept in the read-back, seconds
 MARGIN_SHARE = 0.1  # ... or this share of the window's time, whichever is larger
 MAX_SHARE = 0.8  # the hold never exceeds this share of the window's time
+GROWTH_S = 0.001  # a hold grows to at most twice the last one plus this, seconds
 
 
 class LaunchHold:
@@ -42,12 +45,12 @@ class LaunchHold:
             steps (int): decode steps of the window that was in flight (and read back).
             held_s (float): seconds the loop waited before the launch.
             launch_s (float): seconds the launch took on the host.
-            blocked_s (float): seconds the read-back took (the wait for the GPU, and the read itself).
+            blocked_s (float): seconds the read-back waited for the window and read its tokens.
         """
         window_s = held_s + launch_s + blocked_s  # ~ the window's GPU time while the GPU sets the pace
         margin_s = max(MARGIN_S, MARGIN_SHARE * window_s)
         if blocked_s >= margin_s / 2:
-            hold_s = min(held_s + blocked_s - margin_s, MAX_SHARE * window_s)
+            hold_s = min(held_s + blocked_s - margin_s, MAX_SHARE * window_s, 2 * held_s + GROWTH_S)
         else:  # the GPU may have idled before the launch: back off
             hold_s = held_s / 2
         self.per_step_s = max(0.0, hold_s) / max(1, steps)

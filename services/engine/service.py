@@ -248,7 +248,8 @@ class EngineService:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
         io.start()
-        self.log.info("engine_ready", pid=self.hello.pid, **self.hello.geometry.model_dump())
+        self.log.info("engine_ready", pid=self.hello.pid, decode_window=self.core.scheduler.decode_window,
+                      launch_hold=self.hold.enabled, **self.hello.geometry.model_dump())  # fmt: skip
         try:
             stop = self._loop(out, relay, io)
             self.log.info("engine_stopping", status=stop.status, reason=stop.reason)
@@ -298,12 +299,10 @@ class EngineService:
                     continue  # a Stop: handled at the top
                 launching = time.monotonic()
                 self._publish(self.core.launch_ahead(), out, relay)
-                collecting = time.monotonic()
-                ahead = self.core.windows_in_flight == 2
+                launched_s, ahead = time.monotonic() - launching, self.core.windows_in_flight == 2
                 self._publish(self.core.collect(), out, relay)
                 if ahead:
-                    blocked = time.monotonic() - collecting
-                    self.hold.observe(steps, launching - started, collecting - launching, blocked)
+                    self.hold.observe(steps, launching - started, launched_s, self.core.read_back_s)
                 held = self._drain(out, block=False)
                 if not self.core.in_flight and (held is None or (held.status == 0 and self.running)):
                     self._publish(self.core.launch(), out, relay)
