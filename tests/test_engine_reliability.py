@@ -208,6 +208,8 @@ class OneHold:
     """Stands in for `LaunchHold`: holds the first launch ahead 5 s and puts `arrival` in the inbox 0.2 s into it;
     records what `observe` is given."""
 
+    enabled = True
+
     def __init__(self, svc: EngineService, arrival):
         self.svc, self.arrival, self.held_at, self.observed = svc, arrival, None, []
 

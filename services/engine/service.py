@@ -276,7 +276,7 @@ class EngineService:
     def _loop(self, out: zmq.Socket, relay: zmq.Socket, io: EngineIO) -> Stop:
         drain_until, held = 0.0, None  # held: a Stop met between a step's read-back and the next launch
         while True:
-            stop = held if held is not None else self._drain(out, block=not self.core.has_unfinished())
+            stop = held if held is not None else self._drain(out, 0.0 if self.core.has_unfinished() else IDLE_WAIT_S)
             held = None
             if stop is not None and (stop.status != 0 or not self.running):
                 return stop
@@ -295,15 +295,17 @@ class EngineService:
                 # step); else tokens go out before the next launch (the host's launch of a decode window takes
                 # milliseconds), and requests that arrived while the GPU ran the last step join the next.
                 steps, started = self.core.steps_in_flight, time.monotonic()
-                if self.core.can_launch_ahead and (held := self._hold(out, started + self.hold.hold_s(steps))):
+                if self.hold.enabled and self.core.can_launch_ahead and (
+                    held := self._hold(out, started + self.hold.hold_s(steps))
+                ):
                     continue  # a Stop: handled at the top
                 launching = time.monotonic()
                 self._publish(self.core.launch_ahead(), out, relay)
                 launched_s, ahead = time.monotonic() - launching, self.core.windows_in_flight == 2
                 self._publish(self.core.collect(), out, relay)
-                if ahead:
+                if ahead and self.hold.enabled:
                     self.hold.observe(steps, launching - started, launched_s, self.core.read_back_s)
-                held = self._drain(out, block=False)
+                held = self._drain(out)
                 if not self.core.in_flight and (held is None or (held.status == 0 and self.running)):
                     self._publish(self.core.launch(), out, relay)
             if time.monotonic() >= self._next_snapshot:
@@ -316,19 +318,14 @@ class EngineService:
 
         Returns the `Stop` that ended the wait, if one did."""
         while self.core.can_launch_ahead and (wait_s := until - time.monotonic()) > 0:
-            try:
-                item = self.inbox.get(timeout=wait_s)
-            except queue.Empty:
-                return None
-            if isinstance(item, Stop):
-                return item
-            self._apply(item, out)
+            if (stop := self._drain(out, wait_s)) is not None:
+                return stop
         return None
 
-    def _drain(self, out: zmq.Socket, *, block: bool) -> Stop | None:
-        """Apply every queued message (waiting briefly for one when idle)."""
+    def _drain(self, out: zmq.Socket, wait_s: float = 0.0) -> Stop | None:
+        """Apply every queued message, waiting up to `wait_s` seconds for the first; return a `Stop` met."""
         try:
-            item = self.inbox.get(timeout=IDLE_WAIT_S) if block else self.inbox.get_nowait()
+            item = self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
         except queue.Empty:
             return None
         while True:
