@@ -394,6 +394,18 @@ def test_the_engine_settings_set_the_decode_window_and_the_launch_hold(tiny_llam
     assert not service.hold.enabled and build_service(EngineSettings(**sizes, launch_hold=True)).hold.enabled
 
 
+def test_the_runner_counts_each_decode_shape_it_traces_once(tiny_llama):
+    # Prompts of 3 tokens and 3 new ones stay in one 16-token page: the shape is (rows, 1 page) alone.
+    core = make_core(tiny_loaded(tiny_llama), step_token_budget=64)
+    seen = []
+    for rows in (1, 2, 1, 2, 3):
+        drive(core, {0: [Request(f"{rows}-{len(seen)}-{i}", [1, 2, 3], SamplingParams(max_tokens=3))
+                         for i in range(rows)]})
+        seen.append(core.runner.traces)
+    assert seen == [1, 2, 2, 2, 3]  # 1 row, 2 rows, replays, then 3 rows
+    assert core.runner.trace_s > 0
+
+
 def test_geometry_and_stats_describe_capacity(tiny_llama):
     core = make_core(tiny_loaded(tiny_llama), capacity_tokens=100, page_size=16)
     assert core.geometry == {

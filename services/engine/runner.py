@@ -28,6 +28,7 @@ worth), instead of the whole conversation.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -88,6 +89,9 @@ class ModelRunner:
         self._samplers: dict[str, RequestSampler] = {}
         self._lean = LeanDecoder.build(model)  # None: the model's own forward traces the step
         self._step = mx.compile(self._window_step)  # traced once per shape (rows, pages read), then replayed
+        # Decode-step shapes traced so far, and the host seconds those launches took (a one-off cost a shape;
+        # the status log reports both, so a burst of new batch sizes shows as what it costs).
+        self.traces, self.trace_s = 0, 0.0
         self._window_start: WindowStart | None = None  # the last collected window's (hybrids)
         # Whether a decode window may launch before the one in flight is read back (`run(plan, ahead_of=...)`):
         # tail moves in place, ordered by the stream (MLX's CUDA backend; a scatter would copy whole pools the
@@ -190,7 +194,10 @@ class ModelRunner:
         for step in arrays.steps:
             if not cache.use_tail:
                 mx.synchronize()  # the step writes the main pools: in place only once the last step is done
+            traces, started = self.traces, time.perf_counter()
             logits, written, states = self._step(tokens, step, cache.arrays, cache.tail_arrays, states)
+            if self.traces != traces:
+                self.trace_s += time.perf_counter() - started
             (cache.replace_tail_arrays if cache.use_tail else cache.replace_arrays)(written)
             tokens = self._sample(logits, requests)
             launch.window_tokens.append(tokens)
@@ -201,7 +208,8 @@ class ModelRunner:
     def _window_step(self, tokens: mx.array, indices, arrays: list[mx.array], tail_arrays: list[mx.array],
                      states: list[mx.array]):
         """The traced decode step: logits [B, vocab], the arrays it wrote (tail, or main pools), the
-        rows' new recurrent state."""
+        rows' new recurrent state. Runs only when `mx.compile` traces a new shape."""
+        self.traces += 1
         layers, written, views = self.cache.window_layers(arrays, tail_arrays, indices, states)
         logits = self._lean(tokens, layers) if self._lean else self.model(tokens[:, None], cache=layers)[:, -1]
         return logits, written.arrays, [a for view in views for a in view.cache]

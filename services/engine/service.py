@@ -456,6 +456,8 @@ class EngineService:
         line = self.meter.line(now, num_running=s.num_running - s.num_waiting, num_waiting=s.num_waiting,
                                kv_usage=s.tokens_used / s.capacity_tokens)  # fmt: skip
         if line is not None:
+            runner = self.core.runner
             self.log.info("engine_status", message=line.message, kv_usage=round(line.kv_usage, 4),
-                          num_running=line.num_running, num_waiting=line.num_waiting)  # fmt: skip
+                          num_running=line.num_running, num_waiting=line.num_waiting,
+                          decode_traces=runner.traces, decode_trace_s=round(runner.trace_s, 3))  # fmt: skip
 
