@@ -294,17 +294,12 @@ class EngineService:
                 # `launch_hold` as late as the GPU allows, so a prompt that arrives meanwhile joins the next
                 # step); else tokens go out before the next launch (the host's launch of a decode window takes
                 # milliseconds), and requests that arrived while the GPU ran the last step join the next.
-                steps, started = self.core.steps_in_flight, time.monotonic()
-                if self.hold.enabled and self.core.can_launch_ahead and (
-                    held := self._hold(out, started + self.hold.hold_s(steps))
-                ):
-                    continue  # a Stop: handled at the top
-                launching = time.monotonic()
-                self._publish(self.core.launch_ahead(), out, relay)
-                launched_s, ahead = time.monotonic() - launching, self.core.windows_in_flight == 2
-                self._publish(self.core.collect(), out, relay)
-                if ahead and self.hold.enabled:
-                    self.hold.observe(steps, launching - started, launched_s, self.core.read_back_s)
+                if self.hold.enabled:
+                    if held := self._held_launch_ahead(out, relay):
+                        continue  # a Stop met during the hold: handled at the top
+                else:
+                    self._publish(self.core.launch_ahead(), out, relay)
+                    self._publish(self.core.collect(), out, relay)
                 held = self._drain(out)
                 if not self.core.in_flight and (held is None or (held.status == 0 and self.running)):
                     self._publish(self.core.launch(), out, relay)
@@ -313,13 +308,22 @@ class EngineService:
                 self._next_snapshot = time.monotonic() + SNAPSHOT_EVERY_S
                 self._log_status(io.snapshot)
 
-    def _hold(self, out: zmq.Socket, until: float) -> Stop | None:
-        """Apply what arrives until `until` (monotonic seconds) while the next window may launch ahead.
+    def _held_launch_ahead(self, out: zmq.Socket, relay: zmq.Socket) -> Stop | None:
+        """`launch_ahead()` once the hold is over, then `collect()`; fit the hold to the read-back's wait.
 
-        Returns the `Stop` that ended the wait, if one did."""
+        While the next window may launch ahead, what arrives during the hold is applied as it comes.
+        Returns the `Stop` that ended the hold, if one did (then nothing was launched or read back)."""
+        steps, started = self.core.steps_in_flight, time.monotonic()
+        until = started + self.hold.hold_s(steps) if self.core.can_launch_ahead else started
         while self.core.can_launch_ahead and (wait_s := until - time.monotonic()) > 0:
             if (stop := self._drain(out, wait_s)) is not None:
                 return stop
+        launching = time.monotonic()
+        self._publish(self.core.launch_ahead(), out, relay)
+        launched_s, ahead = time.monotonic() - launching, self.core.windows_in_flight == 2
+        self._publish(self.core.collect(), out, relay)
+        if ahead:
+            self.hold.observe(steps, launching - started, launched_s, self.core.read_back_s)
         return None
 
     def _drain(self, out: zmq.Socket, wait_s: float = 0.0) -> Stop | None:
