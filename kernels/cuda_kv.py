@@ -305,6 +305,8 @@ class Tuning:
             whose fill needs one) writes the output itself, no combine kernel.
         slabs (int): Tensor-core kernel: 16-token slabs a warp takes at once (one softmax update for all,
             their products independent), the tile a multiple of `16 * slabs` tokens.
+        register_tables (bool): Tensor-core kernel, 4-bit AURA keys or values: their 16 centroids held in
+            registers and looked up four codes at a time by byte permutes, not one shared-memory load a code.
     """
 
     dims_per_lane: int = 8
@@ -318,6 +320,7 @@ class Tuning:
     mma: bool = False
     one_split_tokens: int = 0
     slabs: int = 1
+    register_tables: bool = False
 
 
 def _split_plan(max_tokens: int, batch: int, n_kv_heads: int, page_size: int, waves: int,
@@ -517,7 +520,8 @@ def _mma_staging(fmt: LayerFormat, dtype: mx.Dtype, group: int, page_size: int, 
             tile -= unit
         else:
             return None
-    return [("W", warps), ("TT", tile), ("NS", stages), ("CH", tuning.slabs), *_copy_geometry(row_bytes, page_size)]
+    return [("W", warps), ("TT", tile), ("NS", stages), ("CH", tuning.slabs), ("LUT", tuning.register_tables),
+            *_copy_geometry(row_bytes, page_size)]
 
 
 def _whole_lane_words(fmt: LayerFormat) -> bool:
@@ -563,7 +567,10 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     0.315 / 0.325, aura8v4 0.424 / 0.433, aura4v4 0.368 / 0.391 (raw 0.402); 1 x 8K 0.177 / 0.194, 0.166 /
     0.176, 0.203 / 0.217, 0.185 / 0.198 (raw 0.197); 32 x 8K (four warps) 1.83 / 1.93, 1.59 / 1.62, 2.29 /
     2.31, 2.08 / 2.08 (raw 2.32); qwen3 1 x 32K 0.956 / 1.002, 0.825 / 0.911, 1.214 / 1.284, 1.018 / 1.078
-    (raw 1.373). Raw K/V gained nothing from two slabs. Few rows (`rows < NUM_SMS`): four waves of blocks (short splits
+    (raw 1.373). Raw K/V gained nothing from two slabs. AURA codebooks are looked up with `register_tables` (an H100,
+`ops/results/kernel_sweep_gpu_h100_2026-12-07_register_tables.json`, llama 1 x 32K, ms a step: aura8v4 0.435
+against 0.456, aura4v4 0.378 against 0.404); more waves (6, 8) or four warps a block were slower there for
+every scheme (`kernel_sweep_gpu_h100_2026-12-07_waves_half_table.json`). Few rows (`rows < NUM_SMS`): four waves of blocks (short splits
     across every SM), but a short page table (up to 768 slots, 128 KiB of a kv head's K/V) is one split and no
     combine (`ops/results/split_ab_gpu.json`, engines stepped in turn at a 512-token context, tables of 528-768
     slots: llama raw 1.05-1.09x, aura4v4 1.03x, qwen3 aura4v4 1.11x; qwen3 raw, 384 KiB, 0.93x). The byte cap is
@@ -588,7 +595,7 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
         return Tuning(dims_per_lane=wide, unroll=1, warps=4 if fmt.head_dim <= 64 else 2, waves=waves, stages=4,
                       mma=True, one_split_tokens=one_split)
     return Tuning(dims_per_lane=wide, unroll=2, warps=4 if many and (fmt.head_dim <= 64 or narrow_aura_keys) else 2,
-                  waves=waves, stages=4, mma=True, one_split_tokens=one_split, slabs=2)
+                  waves=waves, stages=4, mma=True, one_split_tokens=one_split, slabs=2, register_tables=True)
 
 
 @functools.cache

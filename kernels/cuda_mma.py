@@ -14,6 +14,15 @@ reused as the A operand (FlashAttention-2's register trick) and V as the B opera
 element is decoded by the one lane whose fragment holds it, so every code of a tile is unpacked
 once: an affine one to `scale * q + bias`; an AURA one to its unit centroid, looked up in a 16-bit
 table, with the vector's scale applied outside the products (keys' to the scores, values' to P).
+The kernel is bound by instruction issue, not bytes (ncu: warps selected or waiting on fixed
+latency), so lookups are counted in instructions (`Tuning.register_tables`, on by default): a 4-bit
+codebook lives in registers as byte planes and four codes are looked up at once by byte permutes
+(`lut16_pairs`, after `nibble_groups` gathers a value dim's codes of four tokens), no shared-memory
+load; an 8-bit key's table address is one OR onto the 512-byte-aligned table (`lds_u16`), where
+indexing `cbs` adds the base to every code. Either way the tensor cores get the same centroids. At
+llama's shape (head_dim 64, 4 query heads a kv head) a warp's 32-token step took 919 instructions
+over aura8v4 and 922 over aura4v4; 765 and 738 with them (NVRTC, sm_90a, SASS counted). The
+accumulators are rescaled only where some row's running max moved (a warp vote), exact as before.
 Affine codes go to the tensor cores in fp16 whatever the model's dtype (the query, or P, too): a
 code q becomes the half 1024 + q by masking its word (`0x6400 | q`, two codes a register), then
 `scale * q + bias` in one fp16 rounding (scale and bias are stored as fp16): a pair of codes takes a
@@ -30,7 +39,8 @@ reaches an output: 0 * NaN would).
 
 Sources: Dao, "FlashAttention-2" (2023), section 3 (online softmax, P kept in registers); Ye et
 al., "FlashInfer" (2025), GQA decode on tensor cores; PTX ISA, "Matrix fragments for mma.m16n8k16";
-Frantar et al., "MARLIN" (2024) (integer codes to fp16 through the exponent bits, no conversion).
+Frantar et al., "MARLIN" (2024) (integer codes to fp16 through the exponent bits, no conversion);
+llama.cpp, `ggml/src/ggml-cuda/vecdotq.cuh` `get_int_from_table_16` (a 16-entry table by byte permutes).
 """
 
 MMA_HEADER = r"""
@@ -80,6 +90,63 @@ __device__ __forceinline__ uint32_t affine_half2(uint32_t x, __half2 scale, __ha
   v = __hfma2(__hsub2(v, __float2half2_rn(1024.f)), scale, bias);
   memcpy(&x, &v, 4);
   return x;
+}
+
+// The 16-bit word at shared-memory address `addr` (`__cvta_generic_to_shared`; an address the caller formed by OR
+// onto an aligned base, one instruction where indexing a `__shared__` array adds the base to every offset).
+__device__ __forceinline__ uint32_t lds_u16(uint32_t addr) {
+  unsigned short v;
+  asm("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+  return v;
+}
+
+// A 16-entry codebook of 16-bit T in registers as byte planes: lo[r] holds the low bytes of entries 4r .. 4r + 3,
+// hi[r] their high bytes (`lut16_pairs` looks up with byte permutes, no shared-memory load).
+struct Lut16 {
+  uint32_t lo[4], hi[4];
+};
+
+template <typename T>
+__device__ __forceinline__ Lut16 make_lut16(const T* table) {
+  Lut16 t;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    t.lo[r] = t.hi[r] = 0u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      unsigned short e;
+      memcpy(&e, table + 4 * r + j, 2);
+      t.lo[r] |= (uint32_t)(e & 0xffu) << (8 * j);
+      t.hi[r] |= (uint32_t)(e >> 8) << (8 * j);
+    }
+    // through a shuffle: the same in every lane, but not uniform to the compiler, which otherwise keeps the planes in
+    // uniform registers and copies each into a register before every permute
+    t.lo[r] = __shfl_sync(0xffffffffu, t.lo[r], threadIdx.x % 32);
+    t.hi[r] = __shfl_sync(0xffffffffu, t.hi[r], threadIdx.x % 32);
+  }
+  return t;
+}
+
+// The entries of the four 4-bit codes at bits 0-15 of g (code k at bits 4k .. 4k + 3) as two registers of two
+// 16-bit T: (entry c0, entry c1), (entry c2, entry c3). Each permute picks four bytes by the codes' low 3 bits
+// from entries 0-7 or 8-15, a third picks between them by bit 3 (as llama.cpp's `get_int_from_table_16`).
+__device__ __forceinline__ void lut16_pairs(const Lut16& t, uint32_t g, uint32_t& r0, uint32_t& r1) {
+  const uint32_t s = g & 0x7777u, m = ((g >> 1) & 0x4444u) | 0x3210u;
+  const uint32_t lo = __byte_perm(__byte_perm(t.lo[0], t.lo[1], s), __byte_perm(t.lo[2], t.lo[3], s), m);
+  const uint32_t hi = __byte_perm(__byte_perm(t.hi[0], t.hi[1], s), __byte_perm(t.hi[2], t.hi[3], s), m);
+  r0 = __byte_perm(lo, hi, 0x5140);
+  r1 = __byte_perm(lo, hi, 0x7362);
+}
+
+// Nibble n (n = 0..7) of four words w0..w3 gathered into one 16-bit group (w0's at bits 0-3, ..., w3's at 12-15):
+// g[0] holds groups 0 (bits 0-15) and 2 (16-31), g[1] groups 4 and 6, g[2] 1 and 3, g[3] 5 and 7.
+__device__ __forceinline__ void nibble_groups(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, uint32_t (&g)[4]) {
+  const uint32_t pe = (w0 & 0x0f0f0f0fu) | ((w1 << 4) & 0xf0f0f0f0u), po = ((w0 >> 4) & 0x0f0f0f0fu) | (w1 & 0xf0f0f0f0u);
+  const uint32_t qe = (w2 & 0x0f0f0f0fu) | ((w3 << 4) & 0xf0f0f0f0u), qo = ((w2 >> 4) & 0x0f0f0f0fu) | (w3 & 0xf0f0f0f0u);
+  g[0] = __byte_perm(pe, qe, 0x5140);
+  g[1] = __byte_perm(pe, qe, 0x7362);
+  g[2] = __byte_perm(po, qo, 0x5140);
+  g[3] = __byte_perm(po, qo, 0x7362);
 }
 
 // c += A B: one m16n8k16 tensor-core product (A row-major 16 x 16, B col-major 16 x 8, float32 c).
@@ -132,7 +199,7 @@ PARTIAL_MMA = r"""
   const int t_begin = split * tps, pg0 = t_begin / P;
 
   constexpr int KCB = KMODE == 2 ? 1 << KBITS : 0, VCB = VMODE == 2 ? 1 << VBITS : 0;  // AURA centroids
-  __shared__ T cbs[KCB + VCB > 0 ? KCB + VCB : 1];  // as T: a table entry is a B operand element
+  __shared__ __align__(512) T cbs[KCB + VCB > 0 ? KCB + VCB : 1];  // as T: a table entry is a B operand element
   __shared__ float qs[G * D];
   __shared__ int pids[MAXPG], live;
   __shared__ __align__(16) unsigned char smem[SMEM];
@@ -142,6 +209,14 @@ PARTIAL_MMA = r"""
                                                           min(tps / P, NP - pg0), lens + b, qs, cbs, pids, &live);
   __syncthreads();
   const int t_end = min(t_begin + tps, min(live, NP * P));  // never past the staged page ids
+  // LUT: 4-bit AURA codebooks in registers, looked up four codes at a time by byte permutes (`lut16_pairs`); 8-bit
+  // AURA keys at the shared address `cbase | 2 code` (cbs is 512-byte aligned), one OR where `cbs[code]` adds.
+  constexpr bool KLUT = KMODE == 2 && KBITS == 4 && LUT, VLUT = VMODE == 2 && VBITS == 4 && LUT;
+  constexpr bool KOR = KMODE == 2 && KBITS == 8 && LUT;
+  const uint32_t cbase = static_cast<uint32_t>(__cvta_generic_to_shared(cbs));
+  Lut16 klut, vlut;
+  if constexpr (KLUT) klut = make_lut16<T>(cbs);
+  if constexpr (VLUT) vlut = make_lut16<T>(cbs + KCB);
 
   auto pool_row = [&](int t, bool& in_tail) {
     const int page = pids[t / P - pg0];
@@ -224,8 +299,14 @@ PARTIAL_MMA = r"""
           for (int x = 0; x < 2; ++x) {
             const int jt = j0 + nb * 8 + c0 + x;
             const __half* meta = reinterpret_cast<const __half*>(reinterpret_cast<const uint32_t*>(stage) + jt * ROWW + MOFF);
-            ks[nb][x] = KMODE == 2 ? __half2float(meta[0]) : 1.f;
-            vs[nb][x] = VMODE == 2 && jt < rows ? __half2float(meta[KMH]) : 0.f;
+            if constexpr (KMODE == 2 && VMODE == 2 && KMH == 1) {  // both scales in one word
+              const float2 f = __half22float2(*reinterpret_cast<const __half2*>(meta));
+              ks[nb][x] = f.x;
+              vs[nb][x] = jt < rows ? f.y : 0.f;
+            } else {
+              ks[nb][x] = KMODE == 2 ? __half2float(meta[0]) : 1.f;
+              vs[nb][x] = VMODE == 2 && jt < rows ? __half2float(meta[KMH]) : 0.f;
+            }
           }
         }
       }
@@ -252,7 +333,10 @@ PARTIAL_MMA = r"""
             bi = __half2half2(meta[D / KGS + (lane % 4) * KSPAN / KGS]);
           }
           auto b = [&](int kk, int hf) {  // B register hf of k-step kk (AURA: unit centroids, scaled below)
-            if constexpr (KMODE == 2) {
+            if constexpr (KOR) {  // bytes 2 hf, 2 hf + 1 of word kk, times 2: byte offsets below 512
+              const uint32_t w = kw[kk];
+              return lds_u16(cbase | ((hf ? w >> 15 : w << 1) & 0x1feu)) | lds_u16(cbase | ((w >> (16 * hf + 7)) & 0x1feu)) << 16;
+            } else if constexpr (KMODE == 2) {
               return pair<T>(cbs[lane_code<KBITS>(kw, 4 * kk + 2 * hf)], cbs[lane_code<KBITS>(kw, 4 * kk + 2 * hf + 1)]);
             } else {
               uint32_t x;  // the two codes at the low bits of its halves
@@ -265,7 +349,15 @@ PARTIAL_MMA = r"""
             }
           };
 #pragma unroll
-          for (int kk = 0; kk < KSTEPS; ++kk) mma16816<KO>(s[nb], qa[kk], b(kk, 0), b(kk, 1));
+          for (int kk = 0; kk < KSTEPS; ++kk) {
+            if constexpr (KLUT) {  // codes 4 kk .. 4 kk + 3: bits 16 (kk % 2) of word kk / 2
+              uint32_t r0, r1;
+              lut16_pairs(klut, kw[kk / 2] >> (16 * (kk % 2)), r0, r1);
+              mma16816<KO>(s[nb], qa[kk], r0, r1);
+            } else {
+              mma16816<KO>(s[nb], qa[kk], b(kk, 0), b(kk, 1));
+            }
+          }
           if constexpr (KMODE == 2) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[nb][e] *= ks[nb][e & 1];
@@ -281,15 +373,21 @@ PARTIAL_MMA = r"""
           mx[e >> 1] = fmaxf(mx[e >> 1], s[nb][e]);
         }
       }
+      float a[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float a = fast_exp2(m[r] - mx[r]);
-        l[r] *= a;
-#pragma unroll
-        for (int n = 0; n < NBLK; ++n) { acc[n][2 * r] *= a; acc[n][2 * r + 1] *= a; }
+        a[r] = fast_exp2(m[r] - mx[r]);
+        l[r] *= a[r];
         m[r] = mx[r];
+      }
+      if (__any_sync(0xffffffffu, a[0] != 1.f || a[1] != 1.f)) {  // no row's max moved: the sums stand as they are
+#pragma unroll
+        for (int n = 0; n < NBLK; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[n][e] *= a[e >> 1];
+        }
       }
       uint32_t pa[CH][4];  // P as A operands, slab c: tokens 16 c + c0, + 1 (+ 8) of rows gid (+ 8); AURA: times V's scales
 #pragma unroll
@@ -330,7 +428,19 @@ PARTIAL_MMA = r"""
               bi[e] = j < rows ? meta[D / VGS + gid * VSPAN / VGS] : __float2half(0.f);
             }
           }
-          if constexpr (VMODE == 2) {  // AURA: centroids (finite whatever the bits; P carries the scales)
+          if constexpr (VLUT) {  // dim n = 8 v + i of the four tokens: nibble i of their word v, one group
+#pragma unroll
+            for (int v = 0; v < VLW; ++v) {
+              uint32_t g[4];
+              nibble_groups(vw[0][v], vw[1][v], vw[2][v], vw[3][v], g);
+#pragma unroll
+              for (int i = 0; i < 8; ++i) {
+                uint32_t r0, r1;
+                lut16_pairs(vlut, g[(i % 2) * 2 + (i / 4)] >> (16 * ((i / 2) % 2)), r0, r1);
+                mma16816<T>(acc[8 * v + i], pa[c], r0, r1);
+              }
+            }
+          } else if constexpr (VMODE == 2) {  // AURA: centroids (finite whatever the bits; P carries the scales)
             auto x = [&](int e, int n) { return cbs[KCB + lane_code<VBITS>(vw[e], n)]; };
 #pragma unroll
             for (int n = 0; n < NBLK; ++n) mma16816<T>(acc[n], pa[c], pair<T>(x(0, n), x(1, n)), pair<T>(x(2, n), x(3, n)));

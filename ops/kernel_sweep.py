@@ -133,6 +133,8 @@ def main() -> None:
     parser.add_argument("--mma", default="0,1", help="1: the tensor-core kernel (dims per lane, prefetch unused)")
     parser.add_argument("--one-split-tokens", default="0", help="page tables this wide or narrower: one split")
     parser.add_argument("--slabs", default="1", help="tensor-core kernel: 16-token slabs a warp takes at once")
+    parser.add_argument("--register-tables", default="0", help="tensor-core kernel, 4-bit AURA codes: 1 looks "
+                        "centroids up in registers")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10, help="decode steps (all layers) per sample")
     parser.add_argument("--gpu-time", action="store_true",
@@ -149,10 +151,11 @@ def main() -> None:
                                                    ints(args.waves), map(bool, ints(args.query_in_registers)),
                                                    map(bool, ints(args.prefetch)), ints(args.stages),
                                                    ints(args.stage_bytes), map(bool, ints(args.mma)),
-                                                   ints(args.one_split_tokens), ints(args.slabs))]
+                                                   ints(args.one_split_tokens), ints(args.slabs),
+                                                   map(bool, ints(args.register_tables)))]
     tunings = [t for t in grid  # prefetching is the unstaged FMA kernel's; the tensor-core kernel needs 2+ stages
                if not (t.prefetch and t.stages) and not (t.mma and (t.prefetch or t.stages < 2))
-               and (t.mma or t.slabs == 1)]  # slabs are the tensor-core kernel's
+               and (t.mma or t.slabs == 1 and not t.register_tables)]  # slabs, register tables: the tensor-core kernel's
     results = []
     for model, scheme, case in itertools.product(args.models.split(","), args.schemes.split(","),
                                                  args.cases.split(",")):

@@ -258,13 +258,15 @@ TUNINGS = [cuda_kv.Tuning(), cuda_kv.Tuning(8, 2, 4, 2, False), cuda_kv.Tuning(1
            cuda_kv.Tuning(8, 1, 4, 1, True, stages=4, stage_bytes=1 << 16),
            cuda_kv.Tuning(warps=4, stages=4, mma=True), cuda_kv.Tuning(unroll=2, warps=2, waves=16, stages=2, mma=True),
            cuda_kv.Tuning(warps=1, stages=3, mma=True), cuda_kv.Tuning(unroll=2, warps=4, stages=4, mma=True, slabs=2),
-           cuda_kv.Tuning(unroll=1, warps=2, waves=16, stages=3, mma=True, slabs=2)]
+           cuda_kv.Tuning(unroll=1, warps=2, waves=16, stages=3, mma=True, slabs=2),
+           cuda_kv.Tuning(unroll=2, warps=4, stages=4, mma=True, slabs=2, register_tables=True),
+           cuda_kv.Tuning(warps=2, stages=3, mma=True, register_tables=True)]
 
 
 def tuning_id(t: cuda_kv.Tuning) -> str:
     shape = f"d{t.dims_per_lane}u{t.unroll}w{t.warps}v{t.waves}q{int(t.query_in_registers)}"
     if t.mma:
-        return f"mma-u{t.unroll}w{t.warps}v{t.waves}s{t.stages}c{t.slabs}"
+        return f"mma-u{t.unroll}w{t.warps}v{t.waves}s{t.stages}c{t.slabs}" + "-regs" * t.register_tables
     return f"staged-{shape}s{t.stages}b{t.stage_bytes}" if t.stages else f"direct-{shape}p{int(t.prefetch)}"
 
 
@@ -289,6 +291,31 @@ def test_every_launch_shape_matches_float64_reference(tuning, scheme, head_dim, 
         want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, scale, np.ones((1, n), bool),
                              as_np(sinks).astype(np.float64))
         np.testing.assert_allclose(got[b], want, atol=tolerance(), rtol=relative(), err_msg=f"row {b}")
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the tensor-core kernel needs MLX's CUDA backend; run on the H200")
+@pytest.mark.parametrize("scheme, head_dim, group", [("aura8v4", 64, 4), ("aura4v4", 64, 4), ("aura8v8", 128, 8),
+                                                     ("aura4v4", 128, 16), ("aura4v8", 64, 1), ("aura8v4", 128, 2)])
+def test_register_table_lookups_equal_the_shared_table(scheme, head_dim, group):
+    """`Tuning.register_tables` (4-bit codebooks in registers, picked by byte permutes; 8-bit keys at an address
+    formed by one OR) hands the tensor cores the same centroids as a load from the shared-memory table: the output
+    equals that launch's bit for bit (and the float64 reference within its tolerance), rows of 1 to 2,049 tokens over
+    NaN-filled pools."""
+    fmt = layer_format(scheme, head_dim)
+    lengths = (1, 17, 300, 2049)
+    store = Store(fmt, lengths, 2, seed=head_dim + group)
+    rng = np.random.default_rng(13)
+    q = mx.array(rng.standard_normal((len(lengths), 2 * group, 1, head_dim)).astype(np.float32)).astype(DTYPE)
+    table, lens = mx.array(store.page_table.astype(np.int32)), mx.array(np.array(lengths, np.int32))
+    scale = 1 / math.sqrt(head_dim)
+    shared, other = (as_np(cuda_kv.decode_attention(
+        q, fmt, tuple(store.pools), None, table, lens, n_kv_heads=2, page_size=PAGE, scale=scale,
+        tuning=cuda_kv.Tuning(unroll=2, warps=2, stages=4, mma=True, slabs=2, register_tables=r))) for r in (False, True))
+    np.testing.assert_array_equal(other, shared)
+    for b, n in enumerate(lengths):
+        keys, values = decode_rows_ref(fmt, store.stored[b])
+        want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, scale, np.ones((1, n), bool))
+        np.testing.assert_allclose(other[b], want, atol=tolerance(), rtol=relative(), err_msg=f"row {b}")
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the staged copies exist only in the CUDA kernels, which need MLX's CUDA backend; run on the H200")
