@@ -382,7 +382,7 @@ PARTIAL_MMA = r"""
         l[r] *= a[r];
         m[r] = mx[r];
       }
-      if (__any_sync(0xffffffffu, a[0] != 1.f || a[1] != 1.f)) {  // no row's max moved: the sums stand as they are
+      if (__any_sync(0xffffffffu, a[0] != 1.f || a[1] != 1.f)) {  // a row's max moved (else the sums stand as they are)
 #pragma unroll
         for (int n = 0; n < NBLK; ++n) {
 #pragma unroll

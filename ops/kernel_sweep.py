@@ -133,8 +133,8 @@ def main() -> None:
     parser.add_argument("--mma", default="0,1", help="1: the tensor-core kernel (dims per lane, prefetch unused)")
     parser.add_argument("--one-split-tokens", default="0", help="page tables this wide or narrower: one split")
     parser.add_argument("--slabs", default="1", help="tensor-core kernel: 16-token slabs a warp takes at once")
-    parser.add_argument("--register-tables", default="0", help="tensor-core kernel, 4-bit AURA codes: 1 looks "
-                        "centroids up in registers")
+    parser.add_argument("--register-tables", default="0", help="tensor-core kernel, AURA codes: 1 takes the "
+                        "register-table lookups (Tuning.register_tables)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10, help="decode steps (all layers) per sample")
     parser.add_argument("--gpu-time", action="store_true",

@@ -308,14 +308,14 @@ def test_register_table_lookups_equal_the_shared_table(scheme, head_dim, group):
     q = mx.array(rng.standard_normal((len(lengths), 2 * group, 1, head_dim)).astype(np.float32)).astype(DTYPE)
     table, lens = mx.array(store.page_table.astype(np.int32)), mx.array(np.array(lengths, np.int32))
     scale = 1 / math.sqrt(head_dim)
-    shared, other = (as_np(cuda_kv.decode_attention(
+    shared, regs = (as_np(cuda_kv.decode_attention(
         q, fmt, tuple(store.pools), None, table, lens, n_kv_heads=2, page_size=PAGE, scale=scale,
         tuning=cuda_kv.Tuning(unroll=2, warps=2, stages=4, mma=True, slabs=2, register_tables=r))) for r in (False, True))
-    np.testing.assert_array_equal(other, shared)
+    np.testing.assert_array_equal(regs, shared)
     for b, n in enumerate(lengths):
         keys, values = decode_rows_ref(fmt, store.stored[b])
         want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, scale, np.ones((1, n), bool))
-        np.testing.assert_allclose(other[b], want, atol=tolerance(), rtol=relative(), err_msg=f"row {b}")
+        np.testing.assert_allclose(regs[b], want, atol=tolerance(), rtol=relative(), err_msg=f"row {b}")
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the staged copies exist only in the CUDA kernels, which need MLX's CUDA backend; run on the H200")
