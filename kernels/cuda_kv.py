@@ -570,12 +570,14 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     2.31, 2.08 / 2.08 (raw 2.32); qwen3 1 x 32K 0.956 / 1.002, 0.825 / 0.911, 1.214 / 1.284, 1.018 / 1.078
     (raw 1.373). Raw K/V gained nothing from two slabs. AURA codebooks are looked up with `register_tables`
     (an H100, `ops/results/kernel_sweep_gpu_h100_2026-12-07_register_tables.json`, llama 1 x 32K, ms a step:
-    aura8v4 0.435 against 0.456, aura4v4 0.378 against 0.404); more waves (6, 8) or four warps a block were
-    slower there for every scheme (`kernel_sweep_gpu_h100_2026-12-07_waves_half_table.json`). Few rows
-    (`rows < NUM_SMS`): four waves of blocks (short splits across every SM), but a short page table (up to 768
-    slots, 128 KiB of a kv head's K/V) is one split and no combine (`ops/results/split_ab_gpu.json`, engines
-    stepped in turn at a 512-token context, tables of 528-768 slots: llama raw 1.05-1.09x, aura4v4 1.03x, qwen3 aura4v4 1.11x; qwen3 raw, 384 KiB, 0.93x). The byte cap is
-    128 KiB since `ops/results/one_split_bytes_gpu_2026-12-03.json` (two A/B pairs, 3 runs each, one host): llama
+    aura8v4 0.435 against 0.456, aura4v4 0.378 against 0.404); more waves (6, 8) were slower there for raw,
+    aura8v4 and aura4v4, and four warps a block for the AURA schemes
+    (`kernel_sweep_gpu_h100_2026-12-07_waves_half_table.json`). Few rows (`rows < NUM_SMS`): four waves of
+    blocks (short splits across every SM), but a short page table (up to 768 slots, 128 KiB of a kv head's K/V)
+    is one split and no combine (`ops/results/split_ab_gpu.json`, engines stepped in turn at a 512-token
+    context, tables of 528-768 slots: llama raw 1.05-1.09x, aura4v4 1.03x, qwen3 aura4v4 1.11x; qwen3 raw,
+    384 KiB, 0.93x). The byte cap is 128 KiB since `ops/results/one_split_bytes_gpu_2026-12-03.json` (two A/B
+    pairs, 3 runs each, one host): llama
     raw at a 512-token context (768 slots, 192 KiB) split to fill the GPU ran 806-836 tok/s against 754-791 as one
     split (1.05x), aura4v4 (52 KiB) within noise, and one split stayed ahead at a 64-token context. Many rows: two
     waves, each block walking a long row. Elsewhere (float32 queries, head_dims other

@@ -22,7 +22,7 @@ load; an 8-bit key's table address is one OR onto the 512-byte-aligned table (`l
 indexing `cbs` adds the base to every code. Either way the tensor cores get the same centroids. At
 llama's shape (head_dim 64, 4 query heads a kv head) a warp's 32-token step took 919 instructions
 over aura8v4 and 922 over aura4v4; 765 and 738 with them (NVRTC, sm_90a, SASS counted). The
-accumulators are rescaled only where some row's running max moved (a warp vote), exact as before.
+accumulators are rescaled only when some row's running max moved (a warp vote), exact as before.
 Affine codes go to the tensor cores in fp16 whatever the model's dtype (the query, or P, too): a
 code q becomes the half 1024 + q by masking its word (`0x6400 | q`, two codes a register), then
 `scale * q + bias` in one fp16 rounding (scale and bias are stored as fp16): a pair of codes takes a
