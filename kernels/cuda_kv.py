@@ -308,6 +308,10 @@ class Tuning:
         register_tables (bool): Tensor-core kernel, AURA codes: a 4-bit codebook held in registers and looked up
             four codes at a time by byte permutes, not one shared-memory load a code; an 8-bit key's table address
             formed by one OR, not an add (`kernels.cuda_mma`). Same centroids, fewer instructions.
+        page_copies (bool): Tensor-core kernel: where a tile is whole pages and the block's threads split evenly
+            over them, a group of threads copies each page, its pool row found once (one shared load, one select),
+            then copies at fixed strides, not a pool row looked up for every 16-byte copy (`kernels.cuda_mma`);
+            the last live page is copied whole. Same output, fewer instructions.
     """
 
     dims_per_lane: int = 8
@@ -322,6 +326,7 @@ class Tuning:
     one_split_tokens: int = 0
     slabs: int = 1
     register_tables: bool = False
+    page_copies: bool = True
 
 
 def _split_plan(max_tokens: int, batch: int, n_kv_heads: int, page_size: int, waves: int,
@@ -522,7 +527,7 @@ def _mma_staging(fmt: LayerFormat, dtype: mx.Dtype, group: int, page_size: int, 
         else:
             return None
     return [("W", warps), ("TT", tile), ("NS", stages), ("CH", tuning.slabs), ("LUT", tuning.register_tables),
-            *_copy_geometry(row_bytes, page_size)]
+            ("PGC", tuning.page_copies), *_copy_geometry(row_bytes, page_size)]
 
 
 def _whole_lane_words(fmt: LayerFormat) -> bool:

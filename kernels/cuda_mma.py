@@ -23,6 +23,10 @@ indexing `cbs` adds the base to every code. Either way the tensor cores get the 
 llama's shape (head_dim 64, 4 query heads a kv head) a warp's 32-token step took 919 instructions
 over aura8v4 and 922 over aura4v4; 765 and 738 with them (NVRTC, sm_90a, SASS counted). The
 accumulators are rescaled only when some row's running max moved (a warp vote), exact as before.
+A tile's copies go page by page (`Tuning.page_copies`, on by default): a group of threads takes a page,
+finds its pool row once and issues its 16-byte copies at fixed strides, where each copy looked up its
+own pool row (a shared load, a select, 64-bit address math); at llama's shape a thread's share of a
+64-token tile took ~290 instructions (aura8v4; raw ~340) and takes ~60.
 Affine codes go to the tensor cores in fp16 whatever the model's dtype (the query, or P, too): a
 code q becomes the half 1024 + q by masking its word (`0x6400 | q`, two codes a register), then
 `scale * q + bias` in one fp16 rounding (scale and bias are stored as fp16): a pair of codes takes a
@@ -173,6 +177,10 @@ PARTIAL_MMA = r"""
   constexpr int RING = NS * SB;
   constexpr int EPI = W * G * (D + 2) * 4;
   constexpr int SMEM = RING > EPI ? RING : EPI;
+  // PGC: a tile's copies page by page (tiles start at a split's first page; a page's P rows lie contiguous in
+  // its pool), TPP threads a page, where the block's threads split evenly over the tile's pages
+  constexpr int TPP = TT % P == 0 && 32 * W % (TT / P) == 0 ? 32 * W / (TT / P) : 0;
+  constexpr bool PAGED = PGC && TPP > 0 && P * RB % 16 == 0 && (!RAW || TPP % (D * 2 / 16) == 0);
   constexpr int KSTEPS = D / 16, NBLK = D / 8, NB = 2 * CH;  // NB: 8-token blocks of a warp's CH slabs
   // Compressed rows: lane t = lane % 4 holds dims [t * KSPAN, + KSPAN) of every key (KLW whole words of
   // codes; the query's columns are permuted alike), lane group gid dims [gid * VSPAN, + VSPAN) of every
@@ -229,7 +237,32 @@ PARTIAL_MMA = r"""
       const int tb = t_begin + tile * TT;
       const int rows = min(TT, t_end - tb);
       unsigned char* stage = smem + (tile % NS) * SB;
-      if constexpr (RAW) {  // row by row into the padded tile: K rows, then V rows
+      if constexpr (PAGED) {  // thread group p copies page p: its pool row once, then 16-byte copies at fixed strides
+        constexpr int CPR = D * 2 / 16, CPP = RAW ? P * CPR : P * RB / 16;  // copies a raw row; a page (a part)
+        const int p = threadIdx.x / TPP, l = threadIdx.x % TPP;
+        if (p * P < rows) {
+          bool in_tail;
+          const size_t r = pool_row(tb + p * P, in_tail);  // the page's first row: its rows follow it
+#pragma unroll
+          for (int part = 0; part < (RAW ? 2 : 1); ++part) {
+            const RT* pool = part == 0 ? (in_tail ? kt : kp) : (in_tail ? vt : vp);
+            // copy c = l + u TPP of the page: raw row c / CPR, bytes 16 (c % CPR); compressed bytes 16 c
+            const unsigned char* src = reinterpret_cast<const unsigned char*>(pool) + r * RB +
+                                       (RAW ? (l / CPR) * RB + (l % CPR) * 16 : l * 16);
+            unsigned char* dst = stage + (RAW ? (part * TT + p * P + l / CPR) * DP * 2 + (l % CPR) * 16 : p * P * RB + l * 16);
+#pragma unroll
+            for (int u = 0; u < (CPP + TPP - 1) / TPP; ++u) {
+              if (CPP % TPP == 0 || l + u * TPP < CPP) {
+                if constexpr (RAW) {  // TPP % CPR == 0: a thread's copies keep their column
+                  cp_async<16>(dst + u * (TPP / CPR) * DP * 2, src + u * (TPP / CPR) * RB);
+                } else {
+                  cp_async<16>(dst + u * TPP * 16, src + u * TPP * 16);
+                }
+              }
+            }
+          }
+        }
+      } else if constexpr (RAW) {  // row by row into the padded tile: K rows, then V rows
         constexpr int CPR = D * 2 / 16;
 #pragma unroll
         for (int part = 0; part < 2; ++part) {

@@ -135,6 +135,8 @@ def main() -> None:
     parser.add_argument("--slabs", default="1", help="tensor-core kernel: 16-token slabs a warp takes at once")
     parser.add_argument("--register-tables", default="0", help="tensor-core kernel, AURA codes: 1 takes the "
                         "register-table lookups (Tuning.register_tables)")
+    parser.add_argument("--page-copies", default="1", help="tensor-core kernel: 0 looks up a pool row for every "
+                        "16-byte copy of a tile, 1 once a page (Tuning.page_copies)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10, help="decode steps (all layers) per sample")
     parser.add_argument("--gpu-time", action="store_true",
@@ -152,10 +154,11 @@ def main() -> None:
                                                    map(bool, ints(args.prefetch)), ints(args.stages),
                                                    ints(args.stage_bytes), map(bool, ints(args.mma)),
                                                    ints(args.one_split_tokens), ints(args.slabs),
-                                                   map(bool, ints(args.register_tables)))]
+                                                   map(bool, ints(args.register_tables)),
+                                                   map(bool, ints(args.page_copies)))]
     tunings = [t for t in grid  # prefetching is the unstaged FMA kernel's; the tensor-core kernel needs 2+ stages
                if not (t.prefetch and t.stages) and not (t.mma and (t.prefetch or t.stages < 2))
-               and (t.mma or t.slabs == 1 and not t.register_tables)]  # slabs, register tables: the tensor-core kernel's
+               and (t.mma or t.slabs == 1 and not t.register_tables and t.page_copies)]  # the tensor-core kernel's knobs
     results = []
     for model, scheme, case in itertools.product(args.models.split(","), args.schemes.split(","),
                                                  args.cases.split(",")):

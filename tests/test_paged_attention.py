@@ -260,13 +260,15 @@ TUNINGS = [cuda_kv.Tuning(), cuda_kv.Tuning(8, 2, 4, 2, False), cuda_kv.Tuning(1
            cuda_kv.Tuning(warps=1, stages=3, mma=True), cuda_kv.Tuning(unroll=2, warps=4, stages=4, mma=True, slabs=2),
            cuda_kv.Tuning(unroll=1, warps=2, waves=16, stages=3, mma=True, slabs=2),
            cuda_kv.Tuning(unroll=2, warps=4, stages=4, mma=True, slabs=2, register_tables=True),
-           cuda_kv.Tuning(warps=2, stages=3, mma=True, register_tables=True)]
+           cuda_kv.Tuning(warps=2, stages=3, mma=True, register_tables=True),
+           cuda_kv.Tuning(unroll=2, warps=2, stages=4, mma=True, slabs=2, register_tables=True, page_copies=False)]
 
 
 def tuning_id(t: cuda_kv.Tuning) -> str:
     shape = f"d{t.dims_per_lane}u{t.unroll}w{t.warps}v{t.waves}q{int(t.query_in_registers)}"
     if t.mma:
-        return f"mma-u{t.unroll}w{t.warps}v{t.waves}s{t.stages}c{t.slabs}" + "-regs" * t.register_tables
+        return (f"mma-u{t.unroll}w{t.warps}v{t.waves}s{t.stages}c{t.slabs}" + "-regs" * t.register_tables
+                + "-rowcopies" * (not t.page_copies))
     return f"staged-{shape}s{t.stages}b{t.stage_bytes}" if t.stages else f"direct-{shape}p{int(t.prefetch)}"
 
 
@@ -317,6 +319,34 @@ def test_register_table_lookups_equal_the_shared_table(scheme, head_dim, group):
         keys, values = decode_rows_ref(fmt, store.stored[b])
         want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, scale, np.ones((1, n), bool))
         np.testing.assert_allclose(regs[b], want, atol=tolerance(), rtol=relative(), err_msg=f"row {b}")
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="compares two launches of the CUDA tensor-core kernel, which exists only "
+                    "under MLX's CUDA backend (CI has no GPU); run on a GPU host")
+@pytest.mark.parametrize("tuning", [cuda_kv.Tuning(unroll=2, warps=2, stages=4, mma=True, slabs=2),
+                                    cuda_kv.Tuning(warps=4, stages=3, mma=True)], ids=["tile64w2", "tile64w4"])
+@pytest.mark.parametrize("scheme, head_dim, group", [("raw", 64, 4), ("raw", 128, 2), ("aura8v4", 64, 4),
+                                                     ("aura4v4", 128, 8), ("affine4", 64, 1), ("affine8", 128, 4)])
+def test_page_copies_equal_row_group_copies(tuning, scheme, head_dim, group):
+    """`Tuning.page_copies` (a thread group a page, the pool row found once a page, the last live page copied whole)
+    stages the same live rows as copies that look up a pool row each: the output equals that launch's bit for bit
+    (and the float64 reference within its tolerance), rows of 1 to 2,049 tokens ending mid-page, over NaN-filled
+    pools (the rows past a row's end that a whole page brings in are masked)."""
+    fmt = layer_format(scheme, head_dim)
+    lengths = (1, 17, 300, 2049)
+    store = Store(fmt, lengths, 2, seed=head_dim + group)
+    rng = np.random.default_rng(17)
+    q = mx.array(rng.standard_normal((len(lengths), 2 * group, 1, head_dim)).astype(np.float32)).astype(DTYPE)
+    table, lens = mx.array(store.page_table.astype(np.int32)), mx.array(np.array(lengths, np.int32))
+    scale = 1 / math.sqrt(head_dim)
+    rows, pages = (as_np(cuda_kv.decode_attention(
+        q, fmt, tuple(store.pools), None, table, lens, n_kv_heads=2, page_size=PAGE, scale=scale,
+        tuning=dataclasses.replace(tuning, page_copies=c))) for c in (False, True))
+    np.testing.assert_array_equal(pages, rows)
+    for b, n in enumerate(lengths):
+        keys, values = decode_rows_ref(fmt, store.stored[b])
+        want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, scale, np.ones((1, n), bool))
+        np.testing.assert_allclose(pages[b], want, atol=tolerance(), rtol=relative(), err_msg=f"row {b}")
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the staged copies exist only in the CUDA kernels, which need MLX's CUDA backend; run on the H200")
