@@ -295,58 +295,51 @@ def test_every_launch_shape_matches_float64_reference(tuning, scheme, head_dim, 
         np.testing.assert_allclose(got[b], want, atol=tolerance(), rtol=relative(), err_msg=f"row {b}")
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="compares two launches of the CUDA tensor-core kernel, which exists only "
-                    "under MLX's CUDA backend (CI has no GPU); run on a GPU host")
+def assert_launches_equal(scheme: str, head_dim: int, group: int, before: cuda_kv.Tuning, after: cuda_kv.Tuning,
+                          seed: int) -> None:
+    """Two launch shapes of the tensor-core kernel give the same output bit for bit, and `after`'s is within the
+    float64 reference's tolerance: rows of 1 to 2,049 tokens (ending mid-page) over NaN-filled pools."""
+    fmt = layer_format(scheme, head_dim)
+    lengths = (1, 17, 300, 2049)
+    store = Store(fmt, lengths, 2, seed=head_dim + group)
+    rng = np.random.default_rng(seed)
+    q = mx.array(rng.standard_normal((len(lengths), 2 * group, 1, head_dim)).astype(np.float32)).astype(DTYPE)
+    table, lens = mx.array(store.page_table.astype(np.int32)), mx.array(np.array(lengths, np.int32))
+    scale = 1 / math.sqrt(head_dim)
+    old, new = (as_np(cuda_kv.decode_attention(q, fmt, tuple(store.pools), None, table, lens, n_kv_heads=2,
+                                               page_size=PAGE, scale=scale, tuning=t)) for t in (before, after))
+    np.testing.assert_array_equal(new, old)
+    for b, n in enumerate(lengths):
+        keys, values = decode_rows_ref(fmt, store.stored[b])
+        want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, scale, np.ones((1, n), bool))
+        np.testing.assert_allclose(new[b], want, atol=tolerance(), rtol=relative(), err_msg=f"row {b}")
+
+
+TWO_LAUNCHES = ("compares two launches of the CUDA tensor-core kernel, which exists only under MLX's CUDA backend "
+                "(CI has no GPU); run on a GPU host")
+
+
+@pytest.mark.skipif(not ON_CUDA, reason=TWO_LAUNCHES)
 @pytest.mark.parametrize("scheme, head_dim, group", [("aura8v4", 64, 4), ("aura4v4", 64, 4), ("aura8v8", 128, 8),
                                                      ("aura4v4", 128, 16), ("aura4v8", 64, 1), ("aura8v4", 128, 2)])
 def test_register_table_lookups_equal_the_shared_table(scheme, head_dim, group):
     """`Tuning.register_tables` (4-bit codebooks in registers, picked by byte permutes; 8-bit keys at an address
-    formed by one OR) hands the tensor cores the same centroids as a load from the shared-memory table: the output
-    equals that launch's bit for bit (and the float64 reference within its tolerance), rows of 1 to 2,049 tokens over
-    NaN-filled pools."""
-    fmt = layer_format(scheme, head_dim)
-    lengths = (1, 17, 300, 2049)
-    store = Store(fmt, lengths, 2, seed=head_dim + group)
-    rng = np.random.default_rng(13)
-    q = mx.array(rng.standard_normal((len(lengths), 2 * group, 1, head_dim)).astype(np.float32)).astype(DTYPE)
-    table, lens = mx.array(store.page_table.astype(np.int32)), mx.array(np.array(lengths, np.int32))
-    scale = 1 / math.sqrt(head_dim)
-    shared, regs = (as_np(cuda_kv.decode_attention(
-        q, fmt, tuple(store.pools), None, table, lens, n_kv_heads=2, page_size=PAGE, scale=scale,
-        tuning=cuda_kv.Tuning(unroll=2, warps=2, stages=4, mma=True, slabs=2, register_tables=r))) for r in (False, True))
-    np.testing.assert_array_equal(regs, shared)
-    for b, n in enumerate(lengths):
-        keys, values = decode_rows_ref(fmt, store.stored[b])
-        want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, scale, np.ones((1, n), bool))
-        np.testing.assert_allclose(regs[b], want, atol=tolerance(), rtol=relative(), err_msg=f"row {b}")
+    formed by one OR) hands the tensor cores the same centroids as a load from the shared-memory table."""
+    shared = cuda_kv.Tuning(unroll=2, warps=2, stages=4, mma=True, slabs=2)
+    assert_launches_equal(scheme, head_dim, group, shared, dataclasses.replace(shared, register_tables=True), seed=13)
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="compares two launches of the CUDA tensor-core kernel, which exists only "
-                    "under MLX's CUDA backend (CI has no GPU); run on a GPU host")
+@pytest.mark.skipif(not ON_CUDA, reason=TWO_LAUNCHES)
 @pytest.mark.parametrize("tuning", [cuda_kv.Tuning(unroll=2, warps=2, stages=4, mma=True, slabs=2),
                                     cuda_kv.Tuning(warps=4, stages=3, mma=True)], ids=["tile64w2", "tile64w4"])
 @pytest.mark.parametrize("scheme, head_dim, group", [("raw", 64, 4), ("raw", 128, 2), ("aura8v4", 64, 4),
                                                      ("aura4v4", 128, 8), ("affine4", 64, 1), ("affine8", 128, 4)])
 def test_page_copies_equal_row_group_copies(tuning, scheme, head_dim, group):
     """`Tuning.page_copies` (a thread group a page, the pool row found once a page, the last live page copied whole)
-    stages the same live rows as copies that look up a pool row each: the output equals that launch's bit for bit
-    (and the float64 reference within its tolerance), rows of 1 to 2,049 tokens ending mid-page, over NaN-filled
-    pools (the rows past a row's end that a whole page brings in are masked)."""
-    fmt = layer_format(scheme, head_dim)
-    lengths = (1, 17, 300, 2049)
-    store = Store(fmt, lengths, 2, seed=head_dim + group)
-    rng = np.random.default_rng(17)
-    q = mx.array(rng.standard_normal((len(lengths), 2 * group, 1, head_dim)).astype(np.float32)).astype(DTYPE)
-    table, lens = mx.array(store.page_table.astype(np.int32)), mx.array(np.array(lengths, np.int32))
-    scale = 1 / math.sqrt(head_dim)
-    rows, pages = (as_np(cuda_kv.decode_attention(
-        q, fmt, tuple(store.pools), None, table, lens, n_kv_heads=2, page_size=PAGE, scale=scale,
-        tuning=dataclasses.replace(tuning, page_copies=c))) for c in (False, True))
-    np.testing.assert_array_equal(pages, rows)
-    for b, n in enumerate(lengths):
-        keys, values = decode_rows_ref(fmt, store.stored[b])
-        want = attention_ref(as_np(q[b]).astype(np.float64), keys, values, scale, np.ones((1, n), bool))
-        np.testing.assert_allclose(pages[b], want, atol=tolerance(), rtol=relative(), err_msg=f"row {b}")
+    stages the same live rows as copies that look up a pool row each (the rows past a row's end that a whole page
+    brings in are masked)."""
+    assert_launches_equal(scheme, head_dim, group, dataclasses.replace(tuning, page_copies=False),
+                          dataclasses.replace(tuning, page_copies=True), seed=17)
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the staged copies exist only in the CUDA kernels, which need MLX's CUDA backend; run on the H200")
