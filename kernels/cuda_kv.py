@@ -580,9 +580,9 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     (`kernel_sweep_gpu_h100_2026-12-07_waves_half_table.json`). Every tensor-core launch copies its tiles page by
     page (`page_copies`; an H200, `ops/results/page_copies_gpu_h200_2026-12-07.json`, llama 1 x 32K, ms a step:
     aura8v4 0.406 against 0.417, aura4v4 0.347 against 0.376, affine4 0.290 against 0.315, raw 0.386 against
-    0.394; four warps a block still slower than two for the compressed schemes). Few rows (`rows < NUM_SMS`): four waves of
-    blocks (short splits across every SM), but a short page table (up to 768 slots, 128 KiB of a kv head's K/V)
-    is one split and no combine (`ops/results/split_ab_gpu.json`, engines stepped in turn at a 512-token
+    0.394; four warps a block still slower than two for the compressed schemes). Few rows (`rows < NUM_SMS`):
+    four waves of blocks (short splits across every SM), but a short page table (up to 768 slots, 128 KiB of a kv
+    head's K/V) is one split and no combine (`ops/results/split_ab_gpu.json`, engines stepped in turn at a 512-token
     context, tables of 528-768 slots: llama raw 1.05-1.09x, aura4v4 1.03x, qwen3 aura4v4 1.11x; qwen3 raw,
     384 KiB, 0.93x). The byte cap is 128 KiB since `ops/results/one_split_bytes_gpu_2026-12-03.json` (two A/B
     pairs, 3 runs each, one host): llama
