@@ -7,8 +7,9 @@ Modes (`--mode`):
   depends on T and the storage, not on the values); times `--steps` greedy tokens per stream
   after `--warmup`, best of `--repeats`. Peak memory runs from before the fill to the end.
   `--interleave` also times every scheme's engine alive at once, one decode window each in
-  turn (`interleaved_*` fields: the aggregate ratio to raw, and the median of the rounds' ratios, which a
-  stalled round does not move): single-stream steps are bound by the host, whose pace drifts.
+  turn (`interleaved_*` fields: the aggregate ratio to raw, the median of the rounds' ratios, which a
+  stalled round does not move, and the host's launch time per token): single-stream steps are bound by
+  the host, whose pace drifts.
 - `attention`: one attention layer per scheme, decode (1 query) and prefill
   (`--prefill-queries` queries) at each T: in place (what the caches run) against
   dequantize + `mx.fast` SDPA, time and peak temporary memory.
@@ -151,23 +152,14 @@ def decode_rate(core, requests, warmup: int, host: dict | None = None) -> float:
     runner, spent = core.runner, {"launch_s": 0.0, "wait_s": 0.0, "launches": 0, "launches_ahead": 0}
     run, collect = runner.run, runner.collect
 
-    def timed(fn, key):
-        def call(*args):
-            begin = time.perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                spent[key] += time.perf_counter() - begin
-        return call
-
-    timed_run = timed(run, "launch_s")
+    timed_run = _timed_into(run, spent, "launch_s")
 
     def launch(plan, ahead_of=None):  # counts the launches that ran ahead of the window in flight
         spent["launches"] += 1
         spent["launches_ahead"] += ahead_of is not None
         return timed_run(plan, ahead_of)
 
-    runner.run, runner.collect = launch, timed(collect, "wait_s")
+    runner.run, runner.collect = launch, _timed_into(collect, spent, "wait_s")
     clock, cpu = DecodeClock(len(requests), warmup), None
     try:
         while core.has_unfinished():
@@ -244,11 +236,13 @@ def run_decode(loaded, args) -> list[dict]:
                     rate = rates[r["scheme"]]
                     r["interleaved_tokens_per_s"] = rate["tokens_per_s"]
                     r["interleaved_round_tokens_per_s"] = rate["round_tokens_per_s"]
+                    r["interleaved_launch_us_per_token"] = rate["launch_us_per_token"]
                     r["interleaved_ratio_to_raw"] = rate["tokens_per_s"] / base["tokens_per_s"] if base else None
                     r["interleaved_round_ratio_median"] = (
                         median_round_ratio(rate["round_tokens_per_s"], base["round_tokens_per_s"]) if base else None)
-                    print(json.dumps({k: v for k, v in r.items() if k.startswith(("scheme", "context", "interleaved_t", "interleaved_ra", "interleaved_round_ratio"))}),
-                          flush=True)
+                    shown = ("scheme", "context", "interleaved_t", "interleaved_ra", "interleaved_round_ratio",
+                             "interleaved_launch")
+                    print(json.dumps({k: v for k, v in r.items() if k.startswith(shown)}), flush=True)
     raw = {r["context_tokens"]: r for r in rows if r["scheme"] == "raw"}
     for r in rows:  # best against best, and median against median (a noisy host can favour either)
         r["median_tokens_per_s"] = statistics.median(r["runs_tokens_per_s"])
@@ -273,26 +267,30 @@ def interleaved_rates(loaded, context: int, args) -> dict[str, dict]:
 
     Returns:
         dict[str, dict]: per scheme, `tokens_per_s` (tokens over seconds of the rounds after every
-        stream has `--warmup` tokens) and `round_tokens_per_s` (each timed round's window).
+        stream has `--warmup` tokens), `round_tokens_per_s` (each timed round's window) and
+        `launch_us_per_token` (the host's time in `ModelRunner.run`, building and launching the timed
+        windows, per token: where the host sets the pace, a scheme that costs it more shows here).
 
     Raises:
         ValueError: a scheme finished before a window after its warm-up was timed (too few `--steps`).
     """
     from ops.engine_fill import filled_engine
 
-    engines, rounds = {}, {}
+    engines, rounds, launch_s = {}, {}, {}
     for scheme in args.schemes:
         core, requests = filled_engine(loaded, scheme, [context] * args.streams, max_tokens=args.warmup + args.steps,
                                        decode_window=args.decode_window)
         for request in requests:
             core.add_request(request)
         engines[scheme], rounds[scheme] = core, []
+        core.runner.run = _timed_into(core.runner.run, launch_s, scheme)
     mx.eval([a for core in engines.values() for a in core.cache.arrays])
     produced = dict.fromkeys(engines, 0)
     while any(core.has_unfinished() for core in engines.values()):
         for scheme, core in engines.items():
             if not core.has_unfinished():
                 continue
+            launch_s[scheme] = 0.0
             begin = time.perf_counter()
             outputs = core.step()  # launches the next window (run ahead: before or after collecting the last)
             mx.synchronize()  # ... and waits for it: the next engine starts on an idle GPU
@@ -301,18 +299,31 @@ def interleaved_rates(loaded, context: int, args) -> dict[str, dict]:
             if core.run_ahead and rounds[scheme]:  # this step's tokens are the window timed by the last one
                 rounds[scheme][-1][0] = tokens
             if produced[scheme] >= args.warmup * args.streams:
-                rounds[scheme].append([0 if core.run_ahead else tokens, seconds])
+                rounds[scheme].append([0 if core.run_ahead else tokens, seconds, launch_s[scheme]])
             produced[scheme] += tokens
     out = {}
     for scheme, timed in rounds.items():
-        timed = [(n, t) for n, t in timed if n]
+        timed = [(n, t, h) for n, t, h in timed if n]
         if not timed:
             raise ValueError(f"{scheme}: no decode window after the warm-up was timed; ask for more steps")
-        out[scheme] = {"tokens_per_s": sum(n for n, _ in timed) / sum(t for _, t in timed),
-                       "round_tokens_per_s": [round(n / t, 1) for n, t in timed]}
+        tokens = sum(n for n, _, _ in timed)
+        out[scheme] = {"tokens_per_s": tokens / sum(t for _, t, _ in timed),
+                       "round_tokens_per_s": [round(n / t, 1) for n, t, _ in timed],
+                       "launch_us_per_token": round(sum(h for _, _, h in timed) / tokens * 1e6, 1)}
     del engines
     gc.collect()
     return out
+
+
+def _timed_into(fn, spent: dict, key: str):
+    """`fn`, adding the seconds each call takes to `spent[key]`."""
+    def call(*args):
+        begin = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            spent[key] += time.perf_counter() - begin
+    return call
 
 
 def median_ms(fn, repeats: int) -> float:
