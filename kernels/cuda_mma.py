@@ -249,7 +249,8 @@ PARTIAL_MMA = r"""
             // copy c = l + u TPP of the page: raw row c / CPR, bytes 16 (c % CPR); compressed bytes 16 c
             const unsigned char* src = reinterpret_cast<const unsigned char*>(pool) + r * RB +
                                        (RAW ? (l / CPR) * RB + (l % CPR) * 16 : l * 16);
-            unsigned char* dst = stage + (RAW ? (part * TT + p * P + l / CPR) * DP * 2 + (l % CPR) * 16 : p * P * RB + l * 16);
+            unsigned char* dst = stage + (RAW ? (part * TT + p * P + l / CPR) * DP * 2 + (l % CPR) * 16
+                                              : p * P * RB + l * 16);
 #pragma unroll
             for (int u = 0; u < (CPP + TPP - 1) / TPP; ++u) {
               if (CPP % TPP == 0 || l + u * TPP < CPP) {
