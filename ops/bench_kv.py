@@ -6,9 +6,10 @@ Modes (`--mode`):
   model's shape (`ops.engine_fill`: a real 32K prefill takes long, and a decode step's cost
   depends on T and the storage, not on the values); times `--steps` greedy tokens per stream
   after `--warmup`, best of `--repeats`. Peak memory runs from before the fill to the end.
-  `--interleave` also times every scheme's engine alive at once, one decode window each in
-  turn (`interleaved_*` fields: the aggregate ratio to raw, the median of the rounds' ratios, which a
-  stalled round does not move, and the host's launch time per token): single-stream steps are bound by
+  `--interleave` also times every scheme's engine alive at once, `--turn-windows` decode windows each
+  in turn, the last one timed (`interleaved_*` fields: the aggregate ratio to raw, the median of the
+  rounds' ratios, which a stalled round does not move, the host's launch time per token, and the rate of
+  a turn's untimed first windows, which pay for switching engines): single-stream steps are bound by
   the host, whose pace drifts.
 - `attention`: one attention layer per scheme, decode (1 query) and prefill
   (`--prefill-queries` queries) at each T: in place (what the caches run) against
@@ -237,11 +238,12 @@ def run_decode(loaded, args) -> list[dict]:
                     r["interleaved_tokens_per_s"] = rate["tokens_per_s"]
                     r["interleaved_round_tokens_per_s"] = rate["round_tokens_per_s"]
                     r["interleaved_launch_us_per_token"] = rate["launch_us_per_token"]
+                    r["interleaved_switch_tokens_per_s"] = rate["switch_tokens_per_s"]
                     r["interleaved_ratio_to_raw"] = rate["tokens_per_s"] / base["tokens_per_s"] if base else None
                     r["interleaved_round_ratio_median"] = (
                         median_round_ratio(rate["round_tokens_per_s"], base["round_tokens_per_s"]) if base else None)
                     shown = ("scheme", "context", "interleaved_t", "interleaved_ra", "interleaved_round_ratio",
-                             "interleaved_launch")
+                             "interleaved_launch", "interleaved_switch")
                     print(json.dumps({k: v for k, v in r.items() if k.startswith(shown)}), flush=True)
     raw = {r["context_tokens"]: r for r in rows if r["scheme"] == "raw"}
     for r in rows:  # best against best, and median against median (a noisy host can favour either)
@@ -261,55 +263,68 @@ def median_round_ratio(rounds: list[float], raw_rounds: list[float]) -> float:
 
 
 def interleaved_rates(loaded, context: int, args) -> dict[str, dict]:
-    """Every scheme's engine at once, stepped in turn: per round, one `EngineCore.step` of each (a
-    decode window), waited for before the next engine's, so a host whose speed drifts over the run
-    (single-stream steps are bound by the host) slows every scheme alike.
+    """Every scheme's engine at once, stepped in turn: per round, `--turn-windows` `EngineCore.step`s of each
+    (decode windows), each waited for before the next, so a host whose speed drifts over the run (single-stream
+    steps are bound by the host) slows every scheme alike. Only a turn's last window is timed: the ones before
+    it take whatever switching engines costs (MLX's buffer cache, its cached CUDA graph executables and the
+    host's CPU caches last served another engine), which a serving process, one engine stepping on, never
+    pays. The order of the engines turns by one each round, so none always follows the same one.
 
     Returns:
-        dict[str, dict]: per scheme, `tokens_per_s` (tokens over seconds of the rounds after every
-        stream has `--warmup` tokens), `round_tokens_per_s` (each timed round's window) and
-        `launch_us_per_token` (the host's time in `ModelRunner.run`, building and launching the timed
-        windows, per token: where the host sets the pace, a scheme that costs it more shows here).
+        dict[str, dict]: per scheme, `tokens_per_s` (tokens over seconds of the timed windows after every
+        stream has `--warmup` tokens), `round_tokens_per_s` (each timed window), `launch_us_per_token` (the
+        host's time in `ModelRunner.run`, building and launching the timed windows, per token: where the host
+        sets the pace, a scheme that costs it more shows here) and `switch_tokens_per_s` (the untimed windows
+        after the warm-up that opened a turn, aggregate; None with one window a turn): against `tokens_per_s`,
+        what switching engines cost.
 
     Raises:
         ValueError: a scheme finished before a window after its warm-up was timed (too few `--steps`).
     """
     from ops.engine_fill import filled_engine
 
-    engines, rounds, launch_s = {}, {}, {}
+    engines, windows, launch_s = {}, {}, {}
     for scheme in args.schemes:
         core, requests = filled_engine(loaded, scheme, [context] * args.streams, max_tokens=args.warmup + args.steps,
                                        decode_window=args.decode_window)
         for request in requests:
             core.add_request(request)
-        engines[scheme], rounds[scheme] = core, []
+        engines[scheme], windows[scheme] = core, []
         core.runner.run = _timed_into(core.runner.run, launch_s, scheme)
     mx.eval([a for core in engines.values() for a in core.cache.arrays])
     produced = dict.fromkeys(engines, 0)
+    order, turn = list(engines), 0
     while any(core.has_unfinished() for core in engines.values()):
-        for scheme, core in engines.items():
-            if not core.has_unfinished():
-                continue
-            launch_s[scheme] = 0.0
-            begin = time.perf_counter()
-            outputs = core.step()  # launches the next window (run ahead: before or after collecting the last)
-            mx.synchronize()  # ... and waits for it: the next engine starts on an idle GPU
-            seconds = time.perf_counter() - begin
-            tokens = sum(len(out.new_token_ids) for out in outputs)
-            if core.run_ahead and rounds[scheme]:  # this step's tokens are the window timed by the last one
-                rounds[scheme][-1][0] = tokens
-            if produced[scheme] >= args.warmup * args.streams:
-                rounds[scheme].append([0 if core.run_ahead else tokens, seconds, launch_s[scheme]])
-            produced[scheme] += tokens
+        for scheme in order[turn % len(order):] + order[: turn % len(order)]:
+            core = engines[scheme]
+            for w in range(args.turn_windows):
+                if not core.has_unfinished():
+                    break
+                launch_s[scheme] = 0.0
+                begin = time.perf_counter()
+                outputs = core.step()  # launches the next window (run ahead: before or after collecting the last)
+                mx.synchronize()  # ... and waits for it: the next window starts on an idle GPU
+                seconds = time.perf_counter() - begin
+                tokens = sum(len(out.new_token_ids) for out in outputs)
+                if core.run_ahead and windows[scheme]:  # this step's tokens are the window launched by the last one
+                    windows[scheme][-1][0] = tokens
+                kind = ("timed" if w == args.turn_windows - 1 else "switch") if produced[scheme] >= (
+                    args.warmup * args.streams) else "warmup"
+                windows[scheme].append([0 if core.run_ahead else tokens, seconds, launch_s[scheme], kind])
+                produced[scheme] += tokens
+        turn += 1
     out = {}
-    for scheme, timed in rounds.items():
-        timed = [(n, t, h) for n, t, h in timed if n]
+    for scheme, done in windows.items():
+        timed = [(n, t, h) for n, t, h, kind in done if n and kind == "timed"]
         if not timed:
             raise ValueError(f"{scheme}: no decode window after the warm-up was timed; ask for more steps")
+        switch = [(n, t) for n, t, _, kind in done if n and kind == "switch"]
         tokens = sum(n for n, _, _ in timed)
         out[scheme] = {"tokens_per_s": tokens / sum(t for _, t, _ in timed),
                        "round_tokens_per_s": [round(n / t, 1) for n, t, _ in timed],
-                       "launch_us_per_token": round(sum(h for _, _, h in timed) / tokens * 1e6, 1)}
+                       "launch_us_per_token": round(sum(h for _, _, h in timed) / tokens * 1e6, 1),
+                       "switch_tokens_per_s": (round(sum(n for n, _ in switch) / sum(t for _, t in switch), 1)
+                                               if switch else None)}
     del engines
     gc.collect()
     return out
@@ -428,7 +443,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-window", type=int, default=None,
                         help="decode steps per host sync (decode mode; default: the engine's, 16 on a GPU, 8 on the CPU)")
     parser.add_argument("--interleave", action="store_true",
-                        help="decode mode: also time every scheme's engine at once, one window each in turn")
+                        help="decode mode: also time every scheme's engine at once, --turn-windows windows each in turn")
+    parser.add_argument("--turn-windows", type=int, default=1,
+                        help="with --interleave: windows an engine steps a turn, the last one timed (the ones before "
+                             "it take what switching engines costs)")
     parser.add_argument("--fill-chunk", type=int, default=1024, help="tokens of random K/V written per call")
     parser.add_argument("--prefill-queries", type=int, default=512, help="prefill-phase queries (attention mode)")
     parser.add_argument("--prefill-tokens", type=int, default=4096)
@@ -437,6 +455,8 @@ def parse_args() -> argparse.Namespace:
                         "launch shape (kernels.cuda_kv.Tuning) in every launch, e.g. waves=2")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON result")
     args = parser.parse_args()
+    if args.turn_windows < 1:
+        parser.error("--turn-windows is at least 1")
     try:
         args.tuning = apply_tuning_override(args.tuning)
     except ValueError as exc:
@@ -460,7 +480,8 @@ def main() -> None:
         "blas": active_blas(), "model": name, "dtype": str(model_dtype(model)).removeprefix("mlx.core."),
         "fill": "random N(0,1) K/V through each layer's encoder" if args.mode == "decode" else None,
         "path": "EngineCore (decode windows, compiled step)" if args.mode == "decode" else "one layer's cache",
-        "steps": args.steps, "warmup": args.warmup, "streams": args.streams, "decode_window": args.decode_window or "engine default (16 on a GPU, 8 on the CPU)", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "tuning": args.tuning, "results": rows,
+        "steps": args.steps, "warmup": args.warmup,
+        "turn_windows": args.turn_windows if args.interleave else None, "streams": args.streams, "decode_window": args.decode_window or "engine default (16 on a GPU, 8 on the CPU)", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "tuning": args.tuning, "results": rows,
     }
     suffix = "" if args.mode == "decode" else f"_{args.mode.replace('-', '_')}"
     model_tag = f"_{args.random_model}" if args.random_model else ""
