@@ -9,8 +9,8 @@ Modes (`--mode`):
   `--interleave` also times every scheme's engine alive at once, `--turn-windows` decode windows each
   in turn, the last one timed (`interleaved_*` fields: the aggregate ratio to raw, the median of the
   rounds' ratios, which a stalled round does not move, the host's launch time per token, and the rate of
-  a turn's untimed first windows, which pay for switching engines): single-stream steps are bound by
-  the host, whose pace drifts.
+  a turn's untimed first windows, there to take whatever switching engines costs), each round in a fresh
+  order: single-stream steps are bound by the host, whose pace drifts.
 - `attention`: one attention layer per scheme, decode (1 query) and prefill
   (`--prefill-queries` queries) at each T: in place (what the caches run) against
   dequantize + `mx.fast` SDPA, time and peak temporary memory.
@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import random
 import statistics
 import time
 from pathlib import Path
@@ -266,9 +267,10 @@ def interleaved_rates(loaded, context: int, args) -> dict[str, dict]:
     """Every scheme's engine at once, stepped in turn: per round, `--turn-windows` `EngineCore.step`s of each
     (decode windows), each waited for before the next, so a host whose speed drifts over the run (single-stream
     steps are bound by the host) slows every scheme alike. Only a turn's last window is timed: the ones before
-    it take whatever switching engines costs (MLX's buffer cache, its cached CUDA graph executables and the
-    host's CPU caches last served another engine), which a serving process, one engine stepping on, never
-    pays. The order of the engines turns by one each round, so none always follows the same one.
+    it are there to take whatever switching engines costs (MLX's buffer cache, its cached CUDA graph
+    executables and the host's CPU caches last served another engine), which a serving process, one engine
+    stepping on, never pays. Each round steps the engines in a fresh order (a seeded shuffle), so none keeps
+    the same predecessor.
 
     Returns:
         dict[str, dict]: per scheme, `tokens_per_s` (tokens over seconds of the timed windows after every
@@ -293,9 +295,10 @@ def interleaved_rates(loaded, context: int, args) -> dict[str, dict]:
         core.runner.run = _timed_into(core.runner.run, launch_s, scheme)
     mx.eval([a for core in engines.values() for a in core.cache.arrays])
     produced = dict.fromkeys(engines, 0)
-    order, turn = list(engines), 0
+    order, shuffle = list(engines), random.Random(0).shuffle
     while any(core.has_unfinished() for core in engines.values()):
-        for scheme in order[turn % len(order):] + order[: turn % len(order)]:
+        shuffle(order)
+        for scheme in order:
             core = engines[scheme]
             for w in range(args.turn_windows):
                 if not core.has_unfinished():
@@ -312,7 +315,6 @@ def interleaved_rates(loaded, context: int, args) -> dict[str, dict]:
                     args.warmup * args.streams) else "warmup"
                 windows[scheme].append([0 if core.run_ahead else tokens, seconds, launch_s[scheme], kind])
                 produced[scheme] += tokens
-        turn += 1
     out = {}
     for scheme, done in windows.items():
         timed = [(n, t, h) for n, t, h, kind in done if n and kind == "timed"]
