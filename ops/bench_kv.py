@@ -448,7 +448,7 @@ def parse_args() -> argparse.Namespace:
                         help="decode mode: also time every scheme's engine at once, --turn-windows windows each in turn")
     parser.add_argument("--turn-windows", type=int, default=1,
                         help="with --interleave: windows an engine steps a turn, the last one timed (the ones before "
-                             "it take what switching engines costs)")
+                             "it are there to take whatever switching engines costs)")
     parser.add_argument("--fill-chunk", type=int, default=1024, help="tokens of random K/V written per call")
     parser.add_argument("--prefill-queries", type=int, default=512, help="prefill-phase queries (attention mode)")
     parser.add_argument("--prefill-tokens", type=int, default=4096)
@@ -482,8 +482,9 @@ def main() -> None:
         "blas": active_blas(), "model": name, "dtype": str(model_dtype(model)).removeprefix("mlx.core."),
         "fill": "random N(0,1) K/V through each layer's encoder" if args.mode == "decode" else None,
         "path": "EngineCore (decode windows, compiled step)" if args.mode == "decode" else "one layer's cache",
-        "steps": args.steps, "warmup": args.warmup,
-        "turn_windows": args.turn_windows if args.interleave else None, "streams": args.streams, "decode_window": args.decode_window or "engine default (16 on a GPU, 8 on the CPU)", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "tuning": args.tuning, "results": rows,
+        "steps": args.steps, "warmup": args.warmup, "turn_windows": args.turn_windows if args.interleave else None,
+        "streams": args.streams, "decode_window": args.decode_window or "engine default (16 on a GPU, 8 on the CPU)",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "tuning": args.tuning, "results": rows,
     }
     suffix = "" if args.mode == "decode" else f"_{args.mode.replace('-', '_')}"
     model_tag = f"_{args.random_model}" if args.random_model else ""
