@@ -394,7 +394,7 @@ def decode_attention(
         tails = tuple(_dummy(p.dtype, p.shape[1]) for p in pools)
     if not fmt.is_regular:
         raise ValueError(f"the CUDA kernels take regular formats only (kernels.paged_attention.uses_cuda), got {fmt}")
-    tuning = tuning or default_tuning(fmt, batch * n_kv_heads)
+    tuning = tuning or default_tuning(fmt, batch * n_kv_heads, tensor_cores=_mma_serves(fmt, queries.dtype, group))
     per_split, splits = _split_plan(page_table.shape[1] * page_size, batch, n_kv_heads, page_size, tuning.waves,
                                     tuning.one_split_tokens)
     assert per_split <= _MAX_SPLIT_PAGES * page_size, "the partial kernel holds a split's page ids in shared memory"
@@ -509,11 +509,9 @@ def _mma_staging(fmt: LayerFormat, dtype: mx.Dtype, group: int, page_size: int, 
     (compressed rows' copies, `_copy_geometry`); stages, then tile tokens, are cut until the ring fits
     beside the fixed arrays. None where the kernel does not serve the layer (dtype, head_dim, group, a
     lane's codes not whole words: `_whole_lane_words`) or even two 16-token stages do not fit."""
+    if not _mma_serves(fmt, dtype, group):
+        return None
     d = fmt.head_dim
-    if dtype not in (mx.float16, mx.bfloat16) or d not in (64, 128) or group > 16:  # the shapes run on the H200
-        return None
-    if fmt.is_raw and fmt.key.dtype != dtype or not fmt.is_raw and not _whole_lane_words(fmt):
-        return None
     row_bytes = 2 * d if fmt.is_raw else 4 * fmt.row_words
     token_bytes = 2 * (d + 8) * 2 if fmt.is_raw else row_bytes  # raw: K and V rows padded to d + 8
     budget = _ring_budget(fmt, group)
@@ -528,6 +526,14 @@ def _mma_staging(fmt: LayerFormat, dtype: mx.Dtype, group: int, page_size: int, 
             return None
     return [("W", warps), ("TT", tile), ("NS", stages), ("CH", tuning.slabs), ("LUT", tuning.register_tables),
             ("PGC", tuning.page_copies), *_copy_geometry(row_bytes, page_size)]
+
+
+def _mma_serves(fmt: LayerFormat, dtype: mx.Dtype, group: int) -> bool:
+    """Whether the tensor-core kernel takes the layer: fp16/bf16 queries (raw K/V of the same dtype), head_dim 64
+    or 128 (the shapes run on the H200), at most 16 query heads a kv head, a lane's codes whole words."""
+    if dtype not in (mx.float16, mx.bfloat16) or fmt.head_dim not in (64, 128) or group > 16:
+        return False
+    return fmt.key.dtype == dtype if fmt.is_raw else _whole_lane_words(fmt)
 
 
 def _whole_lane_words(fmt: LayerFormat) -> bool:
@@ -545,24 +551,26 @@ def _dims_per_lane(fmt: LayerFormat, wanted: int) -> int:
     return max(fmt.head_dim // 32, min(wanted, fmt.head_dim, *groups))
 
 
-def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
+def default_tuning(fmt: LayerFormat, rows: int, tensor_cores: bool = True) -> Tuning:
     """The launch shape measured best on the H200 (`ops/kernel_sweep.py --gpu-time`,
     `ops/results/kernel_sweep_gpu_cupti_mma.json`: each model layer's partial + combine kernels, chained).
 
     Args:
         fmt (LayerFormat): The layer's format.
         rows (int): Sequences times kv heads of the launch (one block walks one of them per split).
+        tensor_cores (bool): Whether the tensor-core kernel takes the layer (`_mma_serves`); where it does not,
+            compressed rows keep the FMA kernel's ring of four stages.
 
     The tensor-core kernel wherever it serves the layer. At 32 streams x 8K (llama shape, 16 layers) it took
     2.65 ms over raw K/V (best FMA kernel 3.38), 2.63 over affine4 (3.33) and 2.36 over aura4v4 (2.99); at 1 x
     32K 0.49 over raw (FMA 1.25) and 0.50 over aura4v4 (0.65). Over affine4 at 1 x 32K the FMA kernel was faster
     (0.66 against 0.84 ms), at 1 x 8K slower (0.56 against 0.30): in the engine, where a single stream's step is
     bound by the host, affine4 on the tensor cores ran at 1.15 / 1.02 of raw at 8K / 32K, so it stays there.
-    Four warps at head_dim 64, two at 128 (the padded tiles of raw K/V must fit 48 KB) but four over AURA keys
-    of 4 bits or fewer (qwen3 shape aura4v4, `ops/results/kernel_sweep_gpu_cupti_hd128_tiles.json`: 32 x 8K
-    6.45 against 6.98 ms with two warps, 1 x 8K 0.92-0.98 against 0.99-1.11, 1 x 32K 1.59-1.61 against
-    1.69-1.80; aura8v4 and affine4 gained nothing from four); tiles of `16 * warps` tokens, twice that for
-    compressed K/V (each warp takes two 16-token chunks between barriers): over many rows at head_dim 64
+    Four warps at head_dim 64, two at 128 (the padded tiles of raw K/V must fit 48 KB; over AURA keys of 4 bits
+    or fewer four won on an earlier kernel, `ops/results/kernel_sweep_gpu_cupti_hd128_tiles.json`, and lost on
+    this one: an H100, qwen3 32 x 8K aura4v4 5.20 ms with two warps and two stages against 5.43 with four and
+    two, 5.41 with four and four, `ops/results/stages_gpu_h100_2026-12-07.json`); tiles of `16 * warps` tokens,
+    twice that for compressed K/V (each warp takes two 16-token chunks between barriers): over many rows at head_dim 64
     aura4v4 2.36 against 2.55 ms, affine4 2.63 against 2.74, at 128 aura8v4 8.08 against 8.39, affine4 6.99
     against 7.21-7.46; at 1 x 32K (`ops/results/gpu_time_*_32k_long_tiles.json`, the engine's launches) aura8v4
     25.9 against 27.5 us a layer and aura4v4 23.9 against 24.7 at head_dim 64, 44.0 against 45.1 and 39.3
@@ -580,7 +588,15 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     (`kernel_sweep_gpu_h100_2026-12-07_waves_half_table.json`). Every tensor-core launch copies its tiles page by
     page (`page_copies`; an H200, `ops/results/page_copies_gpu_h200_2026-12-07.json`, llama 1 x 32K, ms a step:
     aura8v4 0.406 against 0.417, aura4v4 0.347 against 0.376, affine4 0.290 against 0.315, raw 0.386 against
-    0.394; four warps a block still slower than two for the compressed schemes). Few rows (`rows < NUM_SMS`):
+    0.394; four warps a block still slower than two for the compressed schemes). Compressed K/V on the tensor
+    cores: a ring of two stages (one tile copied ahead of the math), not four (the FMA kernel keeps four, not
+    measured with two); two were as fast or faster at every shape measured (an
+    H100, `ops/results/stages_gpu_h100_2026-12-07.json`, CUPTI, partial + combine a step, ms, two against four
+    stages): llama 1 x 32K affine8 0.343 / 0.381, affine4 0.289 / 0.306, aura8v4 0.384 / 0.423, aura4v4 0.346
+    / 0.361 (three: 0.397, 0.345; six slower still); 1 x 8K 0.185 / 0.193, 0.170 / 0.175, 0.195 / 0.204, 0.187
+    / 0.188; 32 x 8K affine4 1.31 / 1.39, aura8v4 2.02 / 2.08, aura4v4 1.755 / 1.756; qwen3 1 x 32K 0.959 /
+    0.959, 0.740 / 0.842, 1.115 / 1.170, 0.921 / 1.007. Raw K/V's time did not move with its stages (llama 1 x
+    32K 0.462 / 0.461 ms). Few rows (`rows < NUM_SMS`):
     four waves of blocks (short splits across every SM), but a short page table (up to 768 slots, 128 KiB of a kv
     head's K/V) is one split and no combine (`ops/results/split_ab_gpu.json`, engines stepped in turn at a 512-token
     context, tables of 528-768 slots: llama raw 1.05-1.09x, aura4v4 1.03x, qwen3 aura4v4 1.11x; qwen3 raw,
@@ -600,13 +616,12 @@ def default_tuning(fmt: LayerFormat, rows: int) -> Tuning:
     waves = 2 if many else 4
     if _compute_capability() < 8:
         return Tuning(dims_per_lane=wide, unroll=1, warps=4, waves=waves, prefetch=many)
-    narrow_aura_keys = fmt.head_dim == 128 and fmt.key.kind == AURA and fmt.key.bits <= 4
     one_split = 0 if many else min(_ONE_SPLIT_TOKENS, _ONE_SPLIT_BYTES // fmt.bytes_per_row)
     if fmt.is_raw:
         return Tuning(dims_per_lane=wide, unroll=1, warps=4 if fmt.head_dim <= 64 else 2, waves=waves, stages=4,
                       mma=True, one_split_tokens=one_split)
-    return Tuning(dims_per_lane=wide, unroll=2, warps=4 if many and (fmt.head_dim <= 64 or narrow_aura_keys) else 2,
-                  waves=waves, stages=4, mma=True, one_split_tokens=one_split, slabs=2, register_tables=True)
+    return Tuning(dims_per_lane=wide, unroll=2, warps=4 if many and fmt.head_dim <= 64 else 2, waves=waves,
+                  stages=2 if tensor_cores else 4, mma=True, one_split_tokens=one_split, slabs=2, register_tables=True)
 
 
 @functools.cache

@@ -124,22 +124,32 @@ def test_default_one_split_width_hand_derived(monkeypatch, scheme, head_dim, row
     assert cuda_kv.default_tuning(fmt, rows).one_split_tokens == want
 
 
-@pytest.mark.parametrize("scheme, head_dim, rows, warps, unroll, slabs", [
-    ("raw", 64, 8, 4, 1, 1),  # raw tiles of 16 * warps tokens
-    ("raw", 128, 256, 2, 1, 1),  # raw K and V tiles padded to 136 elements: two warps fit 48 KB
-    ("aura4v4", 64, 256, 4, 2, 2),  # compressed: a warp's two 16-token slabs at once
-    ("aura4v4", 64, 8, 2, 2, 2),  # few rows: two warps a block
-    ("aura4v4", 128, 8, 2, 2, 2),
-    ("aura4v4", 128, 256, 4, 2, 2),  # 4-bit AURA keys at 128: four warps over many rows
-    ("aura4v2", 128, 256, 4, 2, 2),
-    ("aura8v4", 128, 256, 2, 2, 2),  # 8-bit keys: two warps
-    ("affine4", 128, 256, 2, 2, 2),
+@pytest.mark.parametrize("scheme, head_dim, rows, warps, unroll, slabs, stages", [
+    ("raw", 64, 8, 4, 1, 1, 4),  # raw tiles of 16 * warps tokens, three copied ahead
+    ("raw", 128, 256, 2, 1, 1, 4),  # raw K and V tiles padded to 136 elements: two warps fit 48 KB
+    ("aura4v4", 64, 256, 4, 2, 2, 2),  # compressed: a warp's two 16-token slabs at once, one tile copied ahead
+    ("aura4v4", 64, 8, 2, 2, 2, 2),  # few rows: two warps a block
+    ("aura4v4", 128, 8, 2, 2, 2, 2),
+    ("aura4v4", 128, 256, 2, 2, 2, 2),  # head_dim 128: two warps over many rows too
+    ("aura8v4", 128, 256, 2, 2, 2, 2),
+    ("affine4", 128, 256, 2, 2, 2, 2),
 ])
-def test_default_tiles_hand_derived(monkeypatch, scheme, head_dim, rows, warps, unroll, slabs):
+def test_default_tiles_hand_derived(monkeypatch, scheme, head_dim, rows, warps, unroll, slabs, stages):
     monkeypatch.setattr(cuda_kv, "_compute_capability", lambda: 9)
     fmt = layer_format(scheme, layer=0, dtype=mx.bfloat16, head_dim=head_dim)
     tuning = cuda_kv.default_tuning(fmt, rows)
-    assert (tuning.warps, tuning.unroll, tuning.slabs, tuning.mma) == (warps, unroll, slabs, True)
+    got = (tuning.warps, tuning.unroll, tuning.slabs, tuning.stages, tuning.mma)
+    assert got == (warps, unroll, slabs, stages, True)
+
+
+def test_compressed_rows_keep_four_stages_where_the_fma_kernel_takes_them(monkeypatch):
+    monkeypatch.setattr(cuda_kv, "_compute_capability", lambda: 9)
+    fmt = layer_format("aura4v4", layer=0, dtype=mx.bfloat16, head_dim=64)
+    assert cuda_kv._mma_serves(fmt, mx.bfloat16, 4) and not cuda_kv._mma_serves(fmt, mx.float32, 4)
+    assert cuda_kv.default_tuning(fmt, 8).stages == 2  # the tensor-core kernel's ring (measured best)
+    assert cuda_kv.default_tuning(fmt, 8, tensor_cores=False).stages == 4  # the FMA kernel's, as measured there
+    raw = layer_format("raw", layer=0, dtype=mx.bfloat16, head_dim=64)
+    assert cuda_kv.default_tuning(raw, 8).stages == cuda_kv.default_tuning(raw, 8, tensor_cores=False).stages == 4
 
 
 @pytest.mark.parametrize("max_tokens, one_split_tokens, want", [
