@@ -590,14 +590,14 @@ def default_tuning(fmt: LayerFormat, rows: int, tensor_cores: bool = True) -> Tu
     aura8v4 0.406 against 0.417, aura4v4 0.347 against 0.376, affine4 0.290 against 0.315, raw 0.386 against
     0.394; four warps a block still slower than two for the compressed schemes). Compressed K/V on the tensor
     cores: a ring of two stages (one tile copied ahead of the math), not four (the FMA kernel keeps four, not
-    measured with two); two were as fast or faster at every shape measured (an
+    measured with two); two were as fast or faster at every shape measured with these warps (an
     H100, `ops/results/stages_gpu_h100_2026-12-07.json`, CUPTI, partial + combine a step, ms, two against four
     stages): llama 1 x 32K affine8 0.343 / 0.381, affine4 0.289 / 0.306, aura8v4 0.384 / 0.423, aura4v4 0.346
     / 0.361 (three: 0.397, 0.345; six slower still); 1 x 8K 0.185 / 0.193, 0.170 / 0.175, 0.195 / 0.204, 0.187
     / 0.188; 32 x 8K affine4 1.31 / 1.39, aura8v4 2.02 / 2.08, aura4v4 1.755 / 1.756; qwen3 1 x 32K 0.959 /
-    0.959, 0.740 / 0.842, 1.115 / 1.170, 0.921 / 1.007. Raw K/V's time did not move with its stages (llama 1 x
-    32K 0.462 / 0.461 ms). Few rows (`rows < NUM_SMS`):
-    four waves of blocks (short splits across every SM), but a short page table (up to 768 slots, 128 KiB of a kv
+    0.959, 0.740 / 0.842, 1.115 / 1.170, 0.921 / 1.007. Raw K/V keeps four: its time did not move with its
+    stages at llama 1 x 32K (0.462 / 0.461 ms), and at 1 x 8K one sweep read 0.205 / 0.213. Few rows
+    (`rows < NUM_SMS`): four waves of blocks (short splits across every SM), but a short page table (up to 768 slots, 128 KiB of a kv
     head's K/V) is one split and no combine (`ops/results/split_ab_gpu.json`, engines stepped in turn at a 512-token
     context, tables of 528-768 slots: llama raw 1.05-1.09x, aura4v4 1.03x, qwen3 aura4v4 1.11x; qwen3 raw,
     384 KiB, 0.93x). The byte cap is 128 KiB since `ops/results/one_split_bytes_gpu_2026-12-03.json` (two A/B
