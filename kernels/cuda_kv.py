@@ -597,13 +597,13 @@ def default_tuning(fmt: LayerFormat, rows: int, tensor_cores: bool = True) -> Tu
     / 0.188; 32 x 8K affine4 1.31 / 1.39, aura8v4 2.02 / 2.08, aura4v4 1.755 / 1.756; qwen3 1 x 32K 0.959 /
     0.959, 0.740 / 0.842, 1.115 / 1.170, 0.921 / 1.007. Raw K/V keeps four: its time did not move with its
     stages at llama 1 x 32K (0.462 / 0.461 ms), and at 1 x 8K one sweep read 0.205 / 0.213. Few rows
-    (`rows < NUM_SMS`): four waves of blocks (short splits across every SM), but a short page table (up to 768 slots, 128 KiB of a kv
-    head's K/V) is one split and no combine (`ops/results/split_ab_gpu.json`, engines stepped in turn at a 512-token
-    context, tables of 528-768 slots: llama raw 1.05-1.09x, aura4v4 1.03x, qwen3 aura4v4 1.11x; qwen3 raw,
-    384 KiB, 0.93x). The byte cap is 128 KiB since `ops/results/one_split_bytes_gpu_2026-12-03.json` (two A/B
-    pairs, 3 runs each, one host): llama
-    raw at a 512-token context (768 slots, 192 KiB) split to fill the GPU ran 806-836 tok/s against 754-791 as one
-    split (1.05x), aura4v4 (52 KiB) within noise, and one split stayed ahead at a 64-token context. Many rows: two
+    (`rows < NUM_SMS`): four waves of blocks (short splits across every SM), but a short page table (up to 768
+    slots, 128 KiB of a kv head's K/V) is one split and no combine (`ops/results/split_ab_gpu.json`, engines stepped
+    in turn at a 512-token context, tables of 528-768 slots: llama raw 1.05-1.09x, aura4v4 1.03x, qwen3 aura4v4
+    1.11x; qwen3 raw, 384 KiB, 0.93x). The byte cap is 128 KiB since
+    `ops/results/one_split_bytes_gpu_2026-12-03.json` (two A/B pairs, 3 runs each, one host): llama raw at a
+    512-token context (768 slots, 192 KiB) split to fill the GPU ran 806-836 tok/s against 754-791 as one split
+    (1.05x), aura4v4 (52 KiB) within noise, and one split stayed ahead at a 64-token context. Many rows: two
     waves, each block walking a long row. Elsewhere (float32 queries, head_dims other
     than 64 and 128, more than 16 query heads a kv head, a lane's codes not whole words) the FMA kernel, its
     rows staged by `cp.async` (at 32 x 8K 3.0-3.8 ms against 3.6-4.4 loading straight to registers). GPUs before
