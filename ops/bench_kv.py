@@ -311,8 +311,8 @@ def interleaved_rates(loaded, context: int, args) -> dict[str, dict]:
                 tokens = sum(len(out.new_token_ids) for out in outputs)
                 if core.run_ahead and windows[scheme]:  # this step's tokens are the window launched by the last one
                     windows[scheme][-1][0] = tokens
-                kind = ("timed" if w == args.turn_windows - 1 else "switch") if produced[scheme] >= (
-                    args.warmup * args.streams) else "warmup"
+                warm = produced[scheme] >= args.warmup * args.streams
+                kind = "warmup" if not warm else "timed" if w == args.turn_windows - 1 else "switch"
                 windows[scheme].append([0 if core.run_ahead else tokens, seconds, launch_s[scheme], kind])
                 produced[scheme] += tokens
     out = {}
