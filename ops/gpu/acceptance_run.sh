@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# Issues 9 and 10's acceptance figures on a GPU host, ours and mlx-lm's side by side. A device loan takes three
-# calls back to back: call 1 stashes the site's part a (../shared/gpu/README.md), then this script twice on the
-# warm host (each part under the device tool's 600 s):
+# Issues 9 and 10's acceptance figures on a GPU host, ours and mlx-lm's side by side. A device loan: call 1 stashes
+# the site's part a (../shared/gpu/README.md), then this script on the warm host, one part a call (each under the
+# device tool's 600 s):
 #   PART=1  llama single stream 512 / 8K / 32K: ops.bench_kv (best of 3) and mlx-lm's model with its KVCache
-#           in generate_step's pipelined loop (anchor_mlxlm_decode.py, two passes a context); issue 9's table
-#           (5 schemes, engines interleaved) for llama and qwen3 at 32K and 8K.
+#           in generate_step's pipelined loop (anchor_mlxlm_decode.py, two passes a context).
 #   PART=2  qwen3 single stream against mlx-lm's generate_step (anchor_mlxlm_qwen3.py); llama batched decode at
 #           1 / 8 / 32 / 64 streams against BatchGenerator (ops.bench_batching).
+#   PART=3  issue 9's single-stream table (5 schemes, engines interleaved, two decode windows a turn, the first
+#           untimed, 256 steps) for llama at 32K and 8K, then qwen3 at both (~300 s on an H100 host).
 # Every step has a timeout and $OUT/all.tgz is rewritten after each, so a cut run still reports.
-# The anchors are not in this repository (../shared/gpu): copy them into .gpu/b/ before the calls.
+# The anchors are not in this repository (../shared/gpu): copy them into .gpu/b/ before PART 1 or 2.
 #
-#   call 2:  source .gpu/b/unpack.sh && PART=1 bash ops/gpu/acceptance_run.sh
-#   call 3:  export PYTHONPATH=/tmp/gpu-site:$PWD && PART=2 bash ops/gpu/acceptance_run.sh
+#   call 2:  source .gpu/b/unpack.sh && PART=3 bash ops/gpu/acceptance_run.sh
+#   later:   export PYTHONPATH=/tmp/gpu-site:$PWD && PART=1 bash ops/gpu/acceptance_run.sh
 set -u
-case "${PART:-1}" in 1 | 2) PART=${PART:-1} ;; *) echo "PART must be 1 or 2" >&2; exit 2 ;; esac
+case "${PART:-1}" in 1 | 2 | 3) PART=${PART:-1} ;; *) echo "PART must be 1, 2 or 3" >&2; exit 2 ;; esac
 OUT=$(realpath -m "${OUT:-/tmp/acceptance-out}")  # before the cd: a relative OUT is the caller's
 cd "$(dirname "$0")/../.." || exit 1
 R=$OUT/r; mkdir -p "$R"
@@ -32,9 +33,11 @@ if [ "$PART" = 1 ]; then
     --steps 128 --repeats 3 --out "$R/ours_llama"
   mkdir -p "$R/mlxlm_llama"
   step mlxlm_llama 110 env OUT="$R/mlxlm_llama" python3 .gpu/b/anchor_mlxlm_decode.py 512,8192,32768,512,8192,32768
-  for model in llama-1b:170 qwen3-1.7b:130; do  # limits: on a host-bound H200 llama's ran past 120 s, qwen3's took 114
-    step "table_${model%:*}" "${model#*:}" python3 -m ops.bench_kv --random-model "${model%:*}" --contexts 32768,8192 \
-      --schemes $SCHEMES --steps 128 --repeats 1 --interleave --out "$R/table_${model%:*}"
+elif [ "$PART" = 3 ]; then  # an H100 host took 91 / 102 / 105 s (2026-12-07); the limits leave room for slower ones
+  for table in llama-1b:32768:170 llama-1b:8192:150 qwen3-1.7b:32768,8192:220; do
+    IFS=: read -r model contexts limit <<< "$table"
+    step "table_${model}_${contexts/,/_}" "$limit" python3 -m ops.bench_kv --random-model "$model" --contexts "$contexts" \
+      --schemes $SCHEMES --steps 256 --repeats 1 --interleave --turn-windows 2 --out "$R/table_${model}_${contexts/,/_}"
   done
 else
   step ours_qwen3 150 python3 -m ops.bench_kv --random-model qwen3-1.7b --contexts 512,8192,32768 --schemes raw \
